@@ -1,0 +1,62 @@
+"""Typed errors. Every message names the file (or directory) and what is wrong with it.
+
+Each class also derives from the builtin a caller would naturally catch (ValueError, FileNotFoundError, ...),
+so code written against `mlx_lm.load` keeps working.
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+
+
+class SquishError(Exception):
+    """Base of every error squishlike raises on purpose."""
+
+
+class FormatError(SquishError, ValueError):
+    """A file is malformed, truncated, or uses a dtype / quant type / layout we do not read."""
+
+    def __init__(self, path: str | PathLike, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class IntegrityError(FormatError):
+    """A checksum or digest does not match what the manifest, sentinel or Ollama manifest says."""
+
+
+class UnknownFormatError(FormatError):
+    """Nothing on disk looks like a model format squishlike reads."""
+
+
+class UnsupportedArchitectureError(SquishError, ValueError):
+    """The config names a model architecture we have no rule table (or no mlx_lm class) for."""
+
+
+class MissingTensorError(SquishError, KeyError):
+    """A tensor the architecture needs is absent from the source."""
+
+    def __init__(self, path: str | PathLike, name: str, problem: str = "tensor is missing"):
+        self.path = str(path)
+        self.name = name
+        super().__init__(f"{self.path}: {name}: {problem}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class OutputExistsError(SquishError, FileExistsError):
+    """compress/export refuses to write into an existing, non-empty output without --force."""
+
+
+class TierNotReadyError(SquishError, RuntimeError):
+    """A tier was forced with tier=... but its sentinel is missing, stale or invalid."""
+
+
+class DirectoryBusyError(SquishError, RuntimeError):
+    """Another process holds the lock on this directory (two compress runs aimed at one OUT)."""
+
+
+class QuantizationError(SquishError, ValueError):
+    """Input to a quantizer is unusable (NaN/inf, bad group size, shape)."""
