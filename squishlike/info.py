@@ -1,0 +1,56 @@
+"""What `squishlike inspect` and `squishlike verify` report about a model on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .formats.npydir import NpyDir
+from .provider import WeightProvider
+from .storage import read_sentinel, verify_files
+from .tiers import ORDER, tier_status
+
+
+def inspect_model(path: str | Path) -> dict:
+    """Format, config, tensor table; for an npy-dir also each tier's state and size, and the quality figures."""
+    with WeightProvider.open(path) as provider:
+        report = {
+            "path": str(path),
+            "format": provider.format,
+            "config": provider.config.to_dict(),
+            "tensors": [dict(row) for row in provider.listing()],
+        }
+    if NpyDir.is_npydir(path):
+        store = NpyDir(path)
+        status = tier_status(store)
+        report["store"] = {
+            "scheme": store.manifest["scheme"],
+            "runtime_dtype": store.runtime_dtype,
+            "bytes": sum(r["size"] for r in store.part_files().values()),
+            "policy": store.manifest.get("policy", {}),
+            "int3_gate": store.manifest.get("int3_gate", {"passed": False, "reason": "store is not INT3"}),
+        }
+        report["tiers"] = {}
+        for tier in ORDER:
+            payload, _ = tier.ready(store)
+            size = sum(r["size"] for r in payload["files"].values()) if payload else 0
+            report["tiers"][tier.name] = {"state": status[tier.name], "bytes": size, "wanted": tier.wanted(store)}
+        report["quality"] = {
+            name: {"scheme": e["scheme"], "reason": e["reason"], **e.get("error", {})}
+            for name, e in store.entries.items()
+        }
+    return report
+
+
+def verify(path: str | Path) -> list[str]:
+    """Re-read every file of the store and of each ready tier against its checksum. [] means all is well."""
+    store = NpyDir(path)
+    problems = verify_files(store.path, store.part_files())
+    problems += verify_files(store.path, store.manifest.get("side_files", {}))
+    for tier in ORDER:
+        sentinel = store.path / tier.sentinel
+        payload, why = read_sentinel(sentinel, store.fingerprint)
+        if payload is not None:
+            problems += [f"tier {tier.name}: {p}" for p in verify_files(sentinel.parent, payload["files"])]
+        elif sentinel.exists():
+            problems.append(f"tier {tier.name}: {sentinel} does not count ({why})")
+    return problems

@@ -1,0 +1,93 @@
+"""Weights (by mlx_lm parameter name) + config.json dict -> an mlx_lm model; side files -> its tokenizer.
+
+This mirrors `mlx_lm.utils.load_model` step for step (model class from `model_type`, the model's own
+`sanitize`, `nn.quantize` where the weights carry `.scales`, `load_weights`, eager eval) but takes the weights
+from whichever tier or format produced them instead of globbing `model*.safetensors`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+
+from .errors import UnsupportedArchitectureError
+
+
+def model_classes(
+    config: dict, model_dir: Path | None = None, trust_remote_code: bool = False
+) -> tuple[type[nn.Module], type]:
+    """mlx_lm's Model and ModelArgs for `config["model_type"]`; a typed error when mlx_lm has none.
+
+    A config naming its own model code (`model_file`) is refused unless the caller passes trust_remote_code=True,
+    exactly as mlx_lm does: loading a model must never run a stranger's Python by default.
+    """
+    if (model_file := config.get("model_file")) is not None:
+        if not trust_remote_code or model_dir is None:
+            raise UnsupportedArchitectureError(
+                f"{model_dir or 'config.json'}: the config names custom model code {model_file!r}; "
+                "pass trust_remote_code=True only if you trust this model"
+            )
+        spec = importlib.util.spec_from_file_location("custom_model", Path(model_dir) / model_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.Model, module.ModelArgs
+    if "model_type" not in config:
+        raise UnsupportedArchitectureError(f"{model_dir or 'config.json'}: config has no model_type")
+    try:
+        return _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedArchitectureError(
+            f"{model_dir or 'config.json'}: model_type {config['model_type']!r} is not an mlx_lm architecture"
+        ) from e
+
+
+def build_model(
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    *,
+    lazy: bool = False,
+    strict: bool = True,
+    model_dir: Path | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """An mlx_lm model with `weights` loaded. Quantized layers are created where weights carry `<p>.scales`."""
+    model_class, args_class = model_classes(config, model_dir, trust_remote_code)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+
+    if (quantization := config.get("quantization")) is not None:
+
+        def class_predicate(path: str, module: nn.Module):
+            if path in quantization:  # per-layer override, as mlx_lm writes it
+                return quantization[path]
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            return infer_quant_config(path, module, weights)
+
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=class_predicate,
+        )
+
+    model.eval()
+    model.load_weights(list(weights.items()), strict=strict)
+    if not lazy:
+        mx.eval(model.parameters())
+    return model
+
+
+def build_tokenizer(
+    side_files_dir: Path, tokenizer_config: dict | None = None, eos_token_ids: Any = None
+) -> TokenizerWrapper:
+    """mlx_lm's TokenizerWrapper from a directory holding tokenizer.json / tokenizer_config.json."""
+    return load_tokenizer(Path(side_files_dir), tokenizer_config or {}, eos_token_ids=eos_token_ids)

@@ -1,0 +1,54 @@
+"""What every tier is: a sentinel that says "ready", a way to load, a way to build from the store."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import mlx.core as mx
+import numpy as np
+
+from ..arch import architecture_for
+from ..formats.npydir import NpyDir
+from ..storage import read_sentinel
+
+
+@dataclass
+class Loaded:
+    """Weights by mlx_lm parameter name, the config.json dict to build the model with, and who served them."""
+
+    weights: dict[str, mx.array]
+    config: dict
+    tier: str
+
+
+class Tier(ABC):
+    name: ClassVar[str]
+    sentinel: ClassVar[str]  # path of the sentinel file, relative to the npy-dir
+
+    def wanted(self, store: NpyDir) -> bool:
+        """Whether the store's cache policy asks for this tier (and the store can feed it)."""
+        return self.name in store.manifest.get("policy", {}).get("tiers", [])
+
+    def ready(self, store: NpyDir) -> tuple[dict | None, str]:
+        return read_sentinel(store.path / self.sentinel, store.fingerprint)
+
+    def invalidate(self, store: NpyDir) -> None:
+        """Remove the sentinel first, so the tier never counts as ready while its files are being replaced."""
+        with contextlib.suppress(FileNotFoundError):
+            (store.path / self.sentinel).unlink()
+
+    @abstractmethod
+    def load(self, store: NpyDir) -> Loaded: ...
+
+    @abstractmethod
+    def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+        """Build from the cold tier's dequantized tensors (canonical name -> runtime dtype, bf16 as uint16)."""
+
+
+def mlx_names(store: NpyDir) -> dict[str, str]:
+    """canonical name -> mlx_lm parameter name, for every tensor of the store."""
+    arch = architecture_for(store.manifest["model_type"])
+    return {name: arch.mlx_name(name) for name in store.entries}

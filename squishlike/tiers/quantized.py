@@ -1,0 +1,107 @@
+"""Tiers `int4` and `int3`: an MLX-native quantized model directory (`squish_4bit/`, `squish_3bit/`).
+
+Built by a lossless repack of the store: the INT4 nibbles reinterpret as MLX's uint32 words, INT3 is stored in
+MLX's own bitstream already, and scales/offsets are kept in the runtime dtype, so `mx.dequantize` of this tier
+equals the cold tier's Rust dequantization bit for bit. Tensors stored any other way go in dense. The directory
+is a complete mlx_lm model (config.json with "quantization", tokenizer files): `mlx_lm.load` opens it too.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..dtypes import to_mx
+from ..formats.npydir import NpyDir
+from mlx_lm.utils import load_config
+
+from ..storage import file_record, make_temp_dir, publish_dir, write_json, write_sentinel
+from .base import Loaded, Tier, mlx_names
+from .mlx import save_safetensors
+
+WEIGHTS = "model.safetensors"
+
+
+class QuantizedTier(Tier):
+    scheme: str
+    bits: int
+    directory: str
+
+    def wanted(self, store: NpyDir) -> bool:
+        return super().wanted(store) and self.scheme in store.schemes()
+
+    def load(self, store: NpyDir) -> Loaded:
+        root = store.path / self.directory
+        return Loaded(mx.load(str(root / WEIGHTS)), load_config(root), self.name)
+
+    def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+        self.invalidate(store)
+        names = mlx_names(store)
+        arrays: dict[str, mx.array] = {}
+        group_sizes = set()
+        for name, entry in store.entries.items():
+            if entry["scheme"] == self.scheme:
+                triple = store.quantized(name)
+                prefix = names[name].removesuffix(".weight")
+                arrays[f"{prefix}.weight"] = triple.weight
+                arrays[f"{prefix}.scales"] = triple.scales
+                arrays[f"{prefix}.biases"] = triple.biases
+                group_sizes.add(triple.group_size)
+            else:
+                arrays[names[name]] = to_mx(dense[name], store.runtime_dtype)
+
+        config = store.config()
+        # mlx_lm infers each layer's own group size from its scales' shape; the top level names the common one.
+        config["quantization"] = {"group_size": min(group_sizes), "bits": self.bits, "mode": "affine"}
+        config["quantization_config"] = config["quantization"]
+
+        final = store.path / self.directory
+        tmp = make_temp_dir(final)
+        try:
+            files = {f"{self.directory}/{WEIGHTS}": save_safetensors(tmp / WEIGHTS, arrays)}
+            files[f"{self.directory}/config.json"] = write_json(tmp / "config.json", config)
+            for rel in store.manifest.get("side_files", {}):
+                if rel != "config.json":
+                    shutil.copy2(store.path / rel, tmp / rel)
+                    files[f"{self.directory}/{rel}"] = file_record(tmp / rel)
+            publish_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        write_sentinel(
+            store.path / self.sentinel,
+            manifest_fingerprint=store.fingerprint,
+            files=files,
+            tier=self.name,
+            **self.sentinel_extra(store),
+        )
+
+    def sentinel_extra(self, store: NpyDir) -> dict:
+        return {}
+
+
+class Int4Tier(QuantizedTier):
+    name = "int4"
+    scheme = "int4"
+    bits = 4
+    directory = "squish_4bit"
+    sentinel = ".squish_4bit_ready"
+
+
+class Int3Tier(QuantizedTier):
+    """Only for a store whose 3-bit model passed the accuracy gate at compress time (SPEC §3)."""
+
+    name = "int3"
+    scheme = "int3"
+    bits = 3
+    directory = "squish_3bit"
+    sentinel = ".squish_3bit_ready"
+
+    def wanted(self, store: NpyDir) -> bool:
+        return super().wanted(store) and store.manifest.get("int3_gate", {}).get("passed", False)
+
+    def sentinel_extra(self, store: NpyDir) -> dict:
+        return {"int3_gate": store.manifest["int3_gate"]}

@@ -1,0 +1,34 @@
+"""Fixtures shared by the suite. The builders themselves live in tests/tiny_models.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny_model(request, tmp_path, tokenizer_dir) -> Path:
+    """One tiny HF model directory per architecture."""
+    return make_hf_model(tmp_path / request.param, TINY_CONFIGS[request.param], tokenizer_dir)
+
+
+@pytest.fixture
+def tiny_llama(tmp_path, tokenizer_dir) -> Path:
+    return make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    from squishlike.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:  # scripts/install.sh installs it; without it these tests cannot run
+        pytest.fail(str(e))

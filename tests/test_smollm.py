@@ -1,0 +1,51 @@
+"""The embedded default, SmolLM2-135M (SPEC §6), end to end: compress, every tier, the invariant, Paris."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import generate
+from test_tiers import assert_same_weights
+
+import squishlike
+from squishlike.formats.npydir import NpyDir
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def stores(smollm_gguf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm")
+    return {
+        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, tiers=("mlx", "finalized", "int4"))
+        for fmt in ("int8", "int4")
+    }
+
+
+def answer(model, tokenizer) -> str:
+    prompt = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    return generate(model, tokenizer, prompt, max_tokens=12)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_every_tier_identical_and_answers_paris(stores, fmt):
+    out = stores[fmt]
+    cold, tokenizer = squishlike.load(out)  # builds the caches
+    assert "Paris" in answer(cold, tokenizer)
+    tiers = ["mlx", "finalized", "cold"] + (["int4"] if fmt == "int4" else [])
+    for tier in tiers:
+        model, _ = squishlike.load(out, tier=tier)
+        assert_same_weights(cold, model)
+    if fmt == "int4":
+        model, tokenizer = squishlike.load(out)  # int4 wins the decision tree
+        assert "Paris" in answer(model, tokenizer)
+
+
+def test_store_is_smaller_and_records_the_source(stores, smollm_gguf):
+    store = NpyDir(stores["int4"])
+    assert store.manifest["source"]["format"] == "gguf"
+    assert store.manifest["model_type"] == "llama"
+    assert len([n for n in store.entries if n.startswith("layers.")]) == 30 * 9
+    int4_bytes = sum(r["size"] for r in store.part_files().values())
+    int8_bytes = sum(r["size"] for r in NpyDir(stores["int8"]).part_files().values())
+    assert int4_bytes < int8_bytes
+    assert "output.weight" not in store.entries  # tied embeddings

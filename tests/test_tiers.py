@@ -1,0 +1,136 @@
+"""compress -> npy-dir -> every tier -> an mlx_lm model, on tiny real-architecture models."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+from tiny_models import cosine, flat_params, logits
+
+import squishlike
+from squishlike.errors import TierNotReadyError
+from squishlike.formats.npydir import NpyDir
+from squishlike.tiers import ORDER, load_weights
+
+TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
+ALL = ("mlx", "finalized", "int4", "int3")
+
+
+def dense_params(model) -> dict[str, mx.array]:
+    """Every weight as a dense array, dequantizing quantized layers, keyed as the dense model would be."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            out[f"{name}.weight"] = mx.dequantize(
+                module.weight, module.scales, module.biases, group_size=module.group_size, bits=module.bits
+            )
+    for name, value in flat_params(model).items():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) or (name.endswith(".weight") and f"{prefix}.weight" in out):
+            continue
+        out[name] = value
+    return out
+
+
+def assert_same_weights(a, b) -> None:
+    pa, pb = dense_params(a), dense_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype, k
+        assert mx.array_equal(pa[k], pb[k]).item(), f"{k} differs between tiers"
+
+
+def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path):
+    out = squishlike.compress(tiny_model, tmp_path / "int8", format="int8", tiers=ALL)
+    reference, _ = mlx_lm.load(str(tiny_model))
+
+    cold, tokenizer = squishlike.load(out)  # first load: cold path, builds the caches
+    assert {t.name: t.ready(NpyDir(out))[0] is not None for t in ORDER} == {
+        "int4": False, "int3": False, "mlx": True, "finalized": True}
+    assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) >= 0.999
+    for tier in ("mlx", "finalized", "cold"):
+        model, _ = squishlike.load(out, tier=tier)
+        assert_same_weights(cold, model)
+    assert tokenizer.encode("The capital of France") == mlx_lm.load(str(tiny_model))[1].encode("The capital of France")
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 64), ("int4", 32), ("int3", 32)])
+def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
+    out = squishlike.compress(tiny_llama, tmp_path / fmt, format=fmt, group_size=group, tiers=ALL)
+    if fmt == "int3":  # the gate decides; force it open here to test the repack itself
+        _open_int3_gate(out)
+    cold, _ = squishlike.load(out)
+    quantized, _ = squishlike.load(out, tier=fmt)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in quantized.named_modules())
+    assert_same_weights(cold, quantized)
+    assert_same_weights(cold, squishlike.load(out, tier="mlx")[0])
+    # The quantized tier is a complete mlx_lm model directory.
+    via_mlx_lm, _ = mlx_lm.load(str(out / f"squish_{fmt[-1]}bit"))
+    assert mx.allclose(logits(via_mlx_lm, TOKENS), logits(quantized, TOKENS)).item()
+
+
+def _open_int3_gate(out) -> None:
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["int3_gate"] = {"passed": True, "reason": "forced open by the test"}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "finalized", "int4"))
+    store = NpyDir(out)
+    assert load_weights(store).tier == "cold"
+    assert load_weights(store).tier == "int4"
+    (out / ".squish_4bit_ready").unlink()
+    assert load_weights(store).tier == "mlx"
+    (out / ".squish_ready").write_text("")  # empty sentinel never counts
+    assert load_weights(store).tier == "finalized"
+    (out / "finalized" / ".ready").write_text(json.dumps({"format_version": 1, "manifest_fingerprint": "0" * 64,
+                                                         "files": {"x.npy": {"size": 1}}}))
+    # Nothing valid left: cold again, and the cold path rebuilds every tier of the policy.
+    assert load_weights(store).tier == "cold"
+    assert load_weights(store).tier == "int4"
+
+    # A changed manifest makes every existing sentinel stale.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["note"] = "edited"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    store = NpyDir(out)
+    assert all(t.ready(store)[0] is None for t in ORDER)
+    assert load_weights(store).tier == "cold"
+
+
+def test_forced_tier_not_ready_is_a_clear_error(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "int8", format="int8")
+    with pytest.raises(TierNotReadyError, match="tier 'finalized' is not ready"):
+        squishlike.load(out, tier="finalized")
+    with pytest.raises(ValueError, match="unknown tier"):
+        squishlike.load(out, tier="fast")
+
+
+def test_load_options_match_mlx_lm(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "int8", format="int8")
+    model, tokenizer, config = squishlike.load(out, return_config=True, model_config={"rope_theta": 500.0})
+    assert config["rope_theta"] == 500.0 and model.args.rope_theta == 500.0
+    lazy_model, _ = squishlike.load(out, lazy=True)
+    assert cosine(logits(lazy_model, TOKENS), logits(squishlike.load(out)[0], TOKENS)) > 0.9999
+    text = mlx_lm.generate(model, tokenizer, "The capital", max_tokens=4)
+    assert isinstance(text, str)
+
+
+def test_passthrough_rules_recorded(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", passthrough=("layers.0.*",))
+    entries = NpyDir(out).entries
+    assert entries["layers.0.attention.q.weight"]["scheme"] == "passthrough"
+    assert entries["layers.0.attention.q.weight"]["reason"] == "matches --passthrough"
+    assert entries["layers.1.attention.q.weight"]["scheme"] == "int4"
+    assert entries["token_embedding.weight"]["scheme"] == "passthrough"
+    assert entries["output_norm.weight"]["scheme"] == "passthrough"
+    q = entries["layers.1.ffn.down.weight"]
+    assert 0 < q["error"]["rel_error"] < 0.25 and q["error"]["cosine"] > 0.95
+    # Every manifest name round-trips through its key, and the files it lists exist.
+    for name, e in entries.items():
+        for suffix in e["files"]:
+            assert (out / "tensors" / f"{e['key']}__{suffix}.npy").is_file()

@@ -1,0 +1,95 @@
+"""Tiny random-weight models of real mlx_lm architectures, saved as HF directories with a real (small,
+trained-in-the-test) tokenizer; and small helpers to compare models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from squishlike.model import model_classes
+
+# Shapes divisible by every group size (32, 64, 128) so each tensor can take each scheme.
+_BASE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=384,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+)
+
+TINY_CONFIGS = {
+    "llama": {**_BASE, "model_type": "llama", "tie_word_embeddings": False},
+    # qwen2 has q/k/v biases; tied embeddings.
+    "qwen2": {**_BASE, "model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {**_BASE, "model_type": "qwen3", "head_dim": 32, "tie_word_embeddings": True},
+    "gemma3_text": {
+        **_BASE,
+        "model_type": "gemma3_text",
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 64,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 10000.0,
+    },
+}
+
+PROSE = (
+    "The quick brown fox jumps over the lazy dog. A small model reads a short text and learns its words. "
+    "What is the capital of France? The capital of France is Paris. Rivers run to the sea, and the sea is salt. "
+) * 20
+
+
+def make_tokenizer(directory: Path) -> Path:
+    """A byte-level BPE tokenizer trained here on a few sentences, saved as tokenizer.json + config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([PROSE], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return directory
+
+
+def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.float32, seed: int = 0) -> Path:
+    """Write a random-weight model of `config`'s architecture as an HF directory (model.safetensors + config)."""
+    mx.random.seed(seed)
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # Random norms too, so a misplaced or dropped norm weight changes the logits.
+    params = {
+        k: (mx.random.normal(v.shape) * 0.1 + 1.0 if v.ndim == 1 else v).astype(dtype)
+        for k, v in tree_flatten(model.parameters())
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), params, metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=1))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, directory / f.name)
+    return directory
+
+
+def logits(model, tokens: list[int]) -> mx.array:
+    return model(mx.array([tokens]))[0].astype(mx.float32)
+
+
+def cosine(a: mx.array, b: mx.array) -> float:
+    a, b = a.reshape(-1), b.reshape(-1)
+    return (mx.sum(a * b) / (mx.linalg.norm(a) * mx.linalg.norm(b))).item()
+
+
+def flat_params(model) -> dict[str, mx.array]:
+    return dict(tree_flatten(model.parameters()))
