@@ -1,8 +1,378 @@
-//! Python bindings only; the kernels live one file per family.
+//! Python bindings only: check every array (dtype, shape, contiguity, writeability), release the GIL, call a kernel.
+//! The kernels live one file per family. Outputs are always caller-provided arrays; `squishlike.quant` is the
+//! public face that allocates them when the caller passes none.
+//!
+//! Errors: a wrong dtype is a TypeError; anything else wrong with the input (shape, group size, NaN/inf, codes out
+//! of range, a non-contiguous or read-only array) is `squishlike.errors.QuantizationError`, a ValueError.
+
+use half::slice::HalfBitsSliceExt;
+use half::{bf16, f16};
+use numpy::{Element, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+
+pub mod affine;
+pub mod dtype;
+pub mod int3;
+pub mod int4;
+pub mod int8;
+pub mod shape;
+mod simd;
+
+use affine::Packing;
+use dtype::{Dtype, Float};
+use int3::Int3;
+use int4::Int4;
+
+pyo3::import_exception!(squishlike.errors, QuantizationError);
+
+fn value_error(msg: String) -> PyErr {
+    QuantizationError::new_err(msg)
+}
+
+/// A value type as NumPy holds it: bfloat16 has no NumPy dtype and travels as its raw uint16 bits.
+trait Stored: Float {
+    type Np: Element;
+    fn view(s: &[Self::Np]) -> &[Self];
+    fn view_mut(s: &mut [Self::Np]) -> &mut [Self];
+}
+
+impl Stored for f32 {
+    type Np = f32;
+    fn view(s: &[f32]) -> &[f32] {
+        s
+    }
+    fn view_mut(s: &mut [f32]) -> &mut [f32] {
+        s
+    }
+}
+
+impl Stored for f16 {
+    type Np = f16;
+    fn view(s: &[f16]) -> &[f16] {
+        s
+    }
+    fn view_mut(s: &mut [f16]) -> &mut [f16] {
+        s
+    }
+}
+
+impl Stored for bf16 {
+    type Np = u16;
+    fn view(s: &[u16]) -> &[bf16] {
+        s.reinterpret_cast()
+    }
+    fn view_mut(s: &mut [u16]) -> &mut [bf16] {
+        s.reinterpret_cast_mut()
+    }
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of the dtype named `$name`.
+macro_rules! with_dtype {
+    ($name:expr, $T:ident => $body:expr) => {
+        match Dtype::parse($name).map_err(value_error)? {
+            Dtype::F32 => {
+                type $T = f32;
+                $body
+            }
+            Dtype::F16 => {
+                type $T = f16;
+                $body
+            }
+            Dtype::BF16 => {
+                type $T = bf16;
+                $body
+            }
+        }
+    };
+}
+
+/// `a` as a C-contiguous NumPy array of T, or the error that names what is wrong.
+fn array<'a, 'py, T: Element>(name: &str, a: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PyArrayDyn<T>>> {
+    let arr = a.downcast::<PyArrayDyn<T>>().map_err(|_| {
+        let expected = numpy::dtype::<T>(a.py());
+        match a.getattr("dtype") {
+            Ok(got) => PyTypeError::new_err(format!("{name} has dtype {got}; expected {expected}")),
+            Err(_) => PyTypeError::new_err(format!("{name} must be a NumPy array of {expected}")),
+        }
+    })?;
+    if !arr.is_c_contiguous() {
+        return Err(value_error(format!("{name} is not C-contiguous; pass np.ascontiguousarray({name})")));
+    }
+    Ok(arr)
+}
+
+/// An input array, borrowed read-only (works for read-only and memory-mapped arrays, without a copy).
+fn input<'py, T: Element>(name: &str, a: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    array::<T>(name, a)?.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))
+}
+
+/// An output array, borrowed for writing (fails if it is read-only or overlaps an input).
+fn output<'py, T: Element>(name: &str, a: &Bound<'py, PyAny>) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    array::<T>(name, a)?.try_readwrite().map_err(|e| value_error(format!("{name}: {e}")))
+}
+
+fn slice<'a, T: Element>(a: &'a PyReadonlyArrayDyn<'_, T>) -> PyResult<&'a [T]> {
+    Ok(a.as_slice()?)
+}
+
+fn slice_mut<'a, T: Element>(a: &'a mut PyReadwriteArrayDyn<'_, T>) -> PyResult<&'a mut [T]> {
+    Ok(a.as_slice_mut()?)
+}
+
+fn rows_cols(name: &str, shape: &[usize]) -> PyResult<(usize, usize)> {
+    shape::rows_cols(name, shape).map_err(value_error)
+}
+
+fn expect(name: &str, shape: &[usize], rows: usize, cols: usize) -> PyResult<()> {
+    shape::expect(name, shape, rows, cols).map_err(value_error)
+}
+
+/// A group size from Python, where a negative number must be a ValueError rather than an OverflowError.
+fn positive_group(g: i64) -> PyResult<usize> {
+    usize::try_from(g).map_err(|_| value_error(format!("group_size {g} must be positive")))
+}
+
+/// Per-row symmetric INT8 of `w` into `q` (int8, w's 2-D shape) and `scales` (float32, one per row).
+#[pyfunction]
+fn quantize_int8(
+    py: Python<'_>,
+    w: &Bound<'_, PyAny>,
+    src_dtype: &str,
+    q: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    with_dtype!(src_dtype, W => {
+        let w = input::<<W as Stored>::Np>("w", w)?;
+        let (rows, cols) = rows_cols("w", w.shape())?;
+        let mut q = output::<i8>("q", q)?;
+        expect("q", q.shape(), rows, cols)?;
+        let mut scales = output::<f32>("scales", scales)?;
+        shape::expect_len("scales", scales.shape(), rows).map_err(value_error)?;
+        let (w, q, scales) = (W::view(slice(&w)?), slice_mut(&mut q)?, slice_mut(&mut scales)?);
+        py.allow_threads(|| int8::quantize(w, cols, q, scales)).map_err(value_error)
+    })
+}
+
+/// `out` (out_dtype) = q * scale per row.
+#[pyfunction]
+fn dequantize_int8(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    out_dtype: &str,
+) -> PyResult<()> {
+    let q = input::<i8>("q", q)?;
+    let (rows, cols) = rows_cols("q", q.shape())?;
+    let scales = input::<f32>("scales", scales)?;
+    shape::expect_len("scales", scales.shape(), rows).map_err(value_error)?;
+    with_dtype!(out_dtype, O => {
+        let mut out = output::<<O as Stored>::Np>("out", out)?;
+        expect("out", out.shape(), rows, cols)?;
+        let (q, scales, out) = (slice(&q)?, slice(&scales)?, O::view_mut(slice_mut(&mut out)?));
+        py.allow_threads(|| int8::dequantize(q, scales, cols, out));
+        Ok(())
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn quantize_affine<K: Packing>(
+    py: Python<'_>,
+    w: &Bound<'_, PyAny>,
+    src_dtype: &str,
+    group_size: i64,
+    scale_dtype: &str,
+    clip_search: bool,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+) -> PyResult<()>
+where
+    K::Word: Element,
+{
+    let group_size = positive_group(group_size)?;
+    with_dtype!(src_dtype, W => with_dtype!(scale_dtype, S => {
+        let w = input::<<W as Stored>::Np>("w", w)?;
+        let (rows, cols) = rows_cols("w", w.shape())?;
+        K::check_group(cols, group_size).map_err(value_error)?;
+        let mut packed = output::<K::Word>("packed", packed)?;
+        expect("packed", packed.shape(), rows, K::words(cols))?;
+        let mut scales = output::<<S as Stored>::Np>("scales", scales)?;
+        expect("scales", scales.shape(), rows, cols / group_size)?;
+        let mut biases = output::<<S as Stored>::Np>("biases", biases)?;
+        expect("biases", biases.shape(), rows, cols / group_size)?;
+        let w = W::view(slice(&w)?);
+        let packed = slice_mut(&mut packed)?;
+        let (scales, biases) = (S::view_mut(slice_mut(&mut scales)?), S::view_mut(slice_mut(&mut biases)?));
+        py.allow_threads(|| affine::quantize::<K, W, S>(w, cols, group_size, clip_search, packed, scales, biases))
+            .map_err(value_error)
+    }))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dequantize_affine<K: Packing>(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    group_size: i64,
+    scale_dtype: &str,
+    out_dtype: &str,
+) -> PyResult<()>
+where
+    K::Word: Element,
+{
+    let group_size = positive_group(group_size)?;
+    let packed = input::<K::Word>("packed", packed)?;
+    let (rows, _) = rows_cols("packed", packed.shape())?;
+    with_dtype!(scale_dtype, S => with_dtype!(out_dtype, O => {
+        let mut out = output::<<O as Stored>::Np>("out", out)?;
+        let (_, cols) = rows_cols("out", out.shape())?;
+        K::check_group(cols, group_size).map_err(value_error)?;
+        expect("packed", packed.shape(), rows, K::words(cols))?;
+        expect("out", out.shape(), rows, cols)?;
+        let scales = input::<<S as Stored>::Np>("scales", scales)?;
+        expect("scales", scales.shape(), rows, cols / group_size)?;
+        let biases = input::<<S as Stored>::Np>("biases", biases)?;
+        expect("biases", biases.shape(), rows, cols / group_size)?;
+        let (packed, out) = (slice(&packed)?, O::view_mut(slice_mut(&mut out)?));
+        let (scales, biases) = (S::view(slice(&scales)?), S::view(slice(&biases)?));
+        py.allow_threads(|| affine::dequantize::<K, S, O>(packed, scales, biases, cols, group_size, out));
+        Ok(())
+    }))
+}
+
+fn pack_affine<K: Packing>(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()>
+where
+    K::Word: Element,
+{
+    let q = input::<u8>("q", q)?;
+    let (rows, cols) = rows_cols("q", q.shape())?;
+    K::check_cols(cols).map_err(value_error)?;
+    let mut packed = output::<K::Word>("packed", packed)?;
+    expect("packed", packed.shape(), rows, K::words(cols))?;
+    let (q, packed) = (slice(&q)?, slice_mut(&mut packed)?);
+    py.allow_threads(|| affine::pack::<K>(q, cols, packed)).map_err(value_error)
+}
+
+fn unpack_affine<K: Packing>(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) -> PyResult<()>
+where
+    K::Word: Element,
+{
+    let packed = input::<K::Word>("packed", packed)?;
+    let mut q = output::<u8>("q", q)?;
+    let (rows, cols) = rows_cols("q", q.shape())?;
+    K::check_cols(cols).map_err(value_error)?;
+    expect("packed", packed.shape(), rows, K::words(cols))?;
+    let (packed, q) = (slice(&packed)?, slice_mut(&mut q)?);
+    py.allow_threads(|| affine::unpack::<K>(packed, cols, q));
+    Ok(())
+}
+
+/// Affine 4-bit groups of `w` into `packed` (uint8, two codes per byte), `scales` and `biases` (scale_dtype).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn quantize_int4(
+    py: Python<'_>,
+    w: &Bound<'_, PyAny>,
+    src_dtype: &str,
+    group_size: i64,
+    scale_dtype: &str,
+    clip_search: bool,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    quantize_affine::<Int4>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
+}
+
+/// Affine 3-bit groups of `w` into `packed` (uint32, mx.quantize(bits=3) layout), `scales` and `biases`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn quantize_int3(
+    py: Python<'_>,
+    w: &Bound<'_, PyAny>,
+    src_dtype: &str,
+    group_size: i64,
+    scale_dtype: &str,
+    clip_search: bool,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    quantize_affine::<Int3>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
+}
+
+/// `out` (its 2-D shape gives the columns) = the INT4 codes dequantized exactly as mx.dequantize does.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn dequantize_int4(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    group_size: i64,
+    scale_dtype: &str,
+    out_dtype: &str,
+) -> PyResult<()> {
+    dequantize_affine::<Int4>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+}
+
+/// `out` (its 2-D shape gives the columns) = the INT3 codes dequantized exactly as mx.dequantize does.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn dequantize_int3(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    group_size: i64,
+    scale_dtype: &str,
+    out_dtype: &str,
+) -> PyResult<()> {
+    dequantize_affine::<Int3>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+}
+
+/// uint8 codes 0..15 -> `packed` uint8, low nibble = even column.
+#[pyfunction]
+fn pack_int4(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
+    pack_affine::<Int4>(py, q, packed)
+}
+
+/// Nibble-packed uint8 -> `q` uint8 codes (q's 2-D shape gives the columns).
+#[pyfunction]
+fn unpack_int4(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) -> PyResult<()> {
+    unpack_affine::<Int4>(py, packed, q)
+}
+
+/// uint8 codes 0..7 -> `packed` uint32 in mx.quantize(bits=3)'s layout.
+#[pyfunction]
+fn pack_int3(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
+    pack_affine::<Int3>(py, q, packed)
+}
+
+/// uint32 in mx.quantize(bits=3)'s layout -> `q` uint8 codes (q's 2-D shape gives the columns).
+#[pyfunction]
+fn unpack_int3(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) -> PyResult<()> {
+    unpack_affine::<Int3>(py, packed, q)
+}
 
 #[pymodule]
 fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(quantize_int8, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int8, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_int4, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int4, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_int4, m)?)?;
+    m.add_function(wrap_pyfunction!(unpack_int4, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_int3, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int3, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_int3, m)?)?;
+    m.add_function(wrap_pyfunction!(unpack_int3, m)?)?;
     Ok(())
 }

@@ -1,0 +1,182 @@
+"""Dequantization throughput of the Rust kernels: INT8 -> bfloat16 and INT4 -> bfloat16 (group 64, bf16 scales).
+
+Measured in GB/s of output, in one run, against
+- a plain copy (np.copyto) of the same output bytes into memory that is already touched: the memory-speed ceiling;
+- the NumPy reference (squishlike.quant.reference), the spec the kernels must match bit for bit.
+Every method writes into buffers touched beforehand, so first-touch page faults (SPEC §7) are not part of any number.
+The methods take turns within each repeat, so machine noise hits them alike; the table reports medians.
+
+Two workloads: one 4096x11008 matrix, and a ~1 GB (output) set of Llama-7B-shaped matrices. The NumPy reference is
+too slow for the whole 1 GB set, so it runs on the set's first matrices and its throughput is taken as the set's;
+the output says so.
+
+    python benchmarks/bench_kernels.py            # table
+    python benchmarks/bench_kernels.py --json     # JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import squishlike.quant as rq
+import squishlike.quant.reference as ref
+
+GROUP = 64
+LLAMA_7B_LAYER = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]  # q k v o gate up down
+TARGET_VS_COPY, TARGET_VS_NUMPY = 0.7, 20.0
+
+
+class Workload:
+    """Random INT8 and INT4 stores for a list of matrix shapes, plus touched bf16 output and copy-source buffers."""
+
+    def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.name, self.shapes = name, shapes
+        self.out_bytes = sum(r * c * 2 for r, c in shapes)
+        self.int8 = [
+            (rng.integers(-127, 128, (r, c), dtype=np.int8), rng.random(r, dtype=np.float32) * np.float32(0.01))
+            for r, c in shapes
+        ]
+        self.int4 = [
+            (
+                rng.integers(0, 256, (r, c // 2), dtype=np.uint8),
+                ref.from_float32(rng.random((r, c // GROUP), dtype=np.float32) * np.float32(0.01), "bfloat16"),
+                ref.from_float32(rng.standard_normal((r, c // GROUP), dtype=np.float32) * np.float32(0.1), "bfloat16"),
+            )
+            for r, c in shapes
+        ]
+        self.out = [np.ones((r, c), np.uint16) for r, c in shapes]  # np.ones touches every page
+        self.src = [np.full((r, c), 7, np.uint16) for r, c in shapes]
+
+    def copy(self, k: int | None = None) -> None:
+        for dst, src in zip(self.out[:k], self.src[:k]):
+            np.copyto(dst, src)
+
+    def rust_int8(self) -> None:
+        for (q, s), out in zip(self.int8, self.out):
+            rq.dequantize_int8(q, s, out_dtype="bfloat16", out=out)
+
+    def rust_int4(self) -> None:
+        for (p, s, z), out in zip(self.int4, self.out):
+            rq.dequantize_int4(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
+
+    def numpy_int8(self, k: int) -> None:
+        for (q, s), out in zip(self.int8[:k], self.out[:k]):
+            ref.dequantize_int8(q, s, out_dtype="bfloat16", out=out)
+
+    def numpy_int4(self, k: int) -> None:
+        for (p, s, z), out in zip(self.int4[:k], self.out[:k]):
+            ref.dequantize_int4(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int) -> dict:
+    """Median GB/s of every method on one workload, the methods interleaved within each repeat."""
+    methods = {"copy": work.copy, "int8": work.rust_int8, "int4": work.rust_int4}
+    for fn in methods.values():  # warm-up: thread pool, caches, lazy imports
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            times[name].append(timed(fn))
+    gbps = {name: work.out_bytes / 1e9 / statistics.median(t) for name, t in times.items()}
+
+    k = min(numpy_matrices, len(work.shapes))
+    numpy_bytes = sum(r * c * 2 for r, c in work.shapes[:k])
+    numpy_gbps = {}
+    for scheme in ("int8", "int4"):
+        fn = getattr(work, f"numpy_{scheme}")
+        numpy_gbps[scheme] = numpy_bytes / 1e9 / statistics.median(timed(lambda: fn(k)) for _ in range(numpy_repeats))
+    return {
+        "workload": work.name,
+        "matrices": len(work.shapes),
+        "output_bytes": work.out_bytes,
+        "copy_gbps": gbps["copy"],
+        "numpy_subset": None if k == len(work.shapes) else {"matrices": k, "output_bytes": numpy_bytes},
+        **{
+            scheme: {
+                "gbps": gbps[scheme],
+                "numpy_gbps": numpy_gbps[scheme],
+                "vs_copy": gbps[scheme] / gbps["copy"],
+                "vs_numpy": gbps[scheme] / numpy_gbps[scheme],
+                "meets_targets": gbps[scheme] >= TARGET_VS_COPY * gbps["copy"]
+                and gbps[scheme] >= TARGET_VS_NUMPY * numpy_gbps[scheme],
+            }
+            for scheme in ("int8", "int4")
+        },
+    }
+
+
+def model_shapes(total_bytes: float) -> list[tuple[int, int]]:
+    """Llama-7B layer matrices, layer after layer, until their bf16 output reaches total_bytes."""
+    shapes: list[tuple[int, int]] = []
+    while sum(r * c * 2 for r, c in shapes) < total_bytes:
+        shapes.append(LLAMA_7B_LAYER[len(shapes) % len(LLAMA_7B_LAYER)])
+    return shapes
+
+
+def print_table(results: list[dict], machine: dict) -> None:
+    print(f"{machine['cpus']} CPUs, {machine['platform']}; medians of {machine['repeats']} repeats (NumPy: "
+          f"{machine['numpy_repeats']}); GB/s of bfloat16 output written into touched memory")
+    header = f"{'workload':<34} {'method':<26} {'GB/s':>7} {'vs copy':>8} {'vs NumPy':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        name = f"{r['workload']} ({r['output_bytes'] / 1e9:.2f} GB)"
+        print(f"{name:<34} {'np.copyto':<26} {r['copy_gbps']:7.2f} {1:8.2f} {'':>9}")
+        for scheme in ("int8", "int4"):
+            s = r[scheme]
+            label = f"{scheme} -> bf16 (g{GROUP})" if scheme == "int4" else "int8 -> bf16"
+            print(f"{'':<34} {'rust ' + label:<26} {s['gbps']:7.2f} {s['vs_copy']:8.2f} {s['vs_numpy']:9.1f}")
+            print(f"{'':<34} {'numpy ' + label:<26} {s['numpy_gbps']:7.2f} {s['numpy_gbps'] / r['copy_gbps']:8.2f}")
+        if r["numpy_subset"]:
+            sub = r["numpy_subset"]
+            print(f"{'':<34} (NumPy timed on the first {sub['matrices']} matrices, "
+                  f"{sub['output_bytes'] / 1e9:.2f} GB, and taken as the set's throughput)")
+    print()
+    for r in results:
+        for scheme in ("int8", "int4"):
+            s = r[scheme]
+            print(f"{'ok  ' if s['meets_targets'] else 'MISS'} {r['workload']:<22} {scheme}: {s['vs_copy']:.2f}x copy "
+                  f"(target >= {TARGET_VS_COPY}), {s['vs_numpy']:.0f}x NumPy (target >= {TARGET_VS_NUMPY:.0f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per method (median reported)")
+    parser.add_argument("--numpy-repeats", type=int, default=3)
+    parser.add_argument("--model-bytes", type=float, default=1e9, help="output bytes of the model-sized set")
+    parser.add_argument("--numpy-matrices", type=int, default=2, help="matrices of the set the NumPy reference runs")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "repeats": args.repeats,
+        "numpy_repeats": args.numpy_repeats,
+    }
+    results = []
+    for name, shapes in (("4096x11008", [(4096, 11008)]), ("llama-7b-shaped set", model_shapes(args.model_bytes))):
+        results.append(bench(Workload(name, shapes), args.repeats, args.numpy_repeats, args.numpy_matrices))
+    if args.json:
+        print(json.dumps({"machine": machine, "results": results}, indent=2))
+    else:
+        print_table(results, machine)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+//! Group-wise affine quantization shared by INT4 and INT3 (MLX's "affine" mode): w ~ q * scale + bias.
+//!
+//! `squishlike/quant/reference.py` is the spec. Every step below is the same float32 operation, in the same order,
+//! as there (Rust never fuses a multiply and an add), so the two agree bit for bit. The schemes differ only in
+//! how codes are packed, which is what a `Packing` says.
+
+use std::array;
+
+use rayon::prelude::*;
+
+use crate::dtype::{round, Float};
+use crate::shape::task_rows;
+use crate::simd::multiversion;
+
+/// How one affine scheme packs its codes, one row at a time.
+pub trait Packing {
+    const NAME: &'static str;
+    /// The largest code (2^bits - 1).
+    const LEVELS: u8;
+    /// Group sizes `mx.quantize` accepts for this scheme.
+    const GROUP_SIZES: &'static [usize];
+    type Word: Copy + Send + Sync;
+    /// Codes per packing unit: a row's length must be a multiple of it.
+    const BLOCK: usize;
+
+    /// Packed words holding `cols` codes (`cols` a multiple of BLOCK).
+    fn words(cols: usize) -> usize;
+    /// Packs one row of codes (one byte each, already known to be <= LEVELS).
+    fn pack_row(q: &[u8], packed: &mut [Self::Word]);
+    /// Unpacks one row (or group) of codes, mapping each through `table`.
+    fn unpack_row<T: Copy>(packed: &[Self::Word], table: &[T; 16], out: &mut [T]);
+    /// `unpack_row` for dequantization; a scheme may override it with a faster way for some output types.
+    fn unpack_values<O: Float>(packed: &[Self::Word], table: &[O; 16], out: &mut [O]) {
+        Self::unpack_row(packed, table, out)
+    }
+
+    /// Checks that rows of `cols` codes can be packed.
+    fn check_cols(cols: usize) -> Result<(), String> {
+        if !cols.is_multiple_of(Self::BLOCK) {
+            return Err(format!("{}: {cols} columns are not a multiple of {}", Self::NAME, Self::BLOCK));
+        }
+        Ok(())
+    }
+
+    /// Checks a group size, and that rows of `cols` values split into such groups.
+    fn check_group(cols: usize, group: usize) -> Result<(), String> {
+        if !Self::GROUP_SIZES.contains(&group) {
+            return Err(format!(
+                "{}: group_size {group} not supported; use one of {:?}",
+                Self::NAME,
+                Self::GROUP_SIZES
+            ));
+        }
+        if !cols.is_multiple_of(group) {
+            return Err(format!("{}: {cols} columns are not divisible by group_size {group}", Self::NAME));
+        }
+        Ok(())
+    }
+}
+
+/// Clip search tries shrinking each end of a group's [min, max] toward the other by k % of the width,
+/// k = 0..=10 (width factors 1.00, 0.98, ..., 0.80); the shrink is the f32 nearest to k / 100.
+const CLIP_STEPS: u32 = 11;
+
+fn clip_shrink(k: u32) -> f32 {
+    (k as f64 / 100.0) as f32
+}
+
+/// Scale and bias of a group spanning [lo, hi], each rounded to the storage type S (kept as f32).
+#[inline(always)]
+fn params<S: Float>(lo: f32, hi: f32, levels: f32) -> (f32, f32) {
+    (round::<S>((hi - lo) / levels), round::<S>(lo))
+}
+
+/// The code of w, q = clip(rint((w - z) / s), 0, levels), as an f32 (an integer; kept in f32 so that loops over
+/// it vectorise). A zero scale (a constant group) gives q = 0.
+#[inline(always)]
+fn code(w: f32, s: f32, z: f32, levels: f32) -> f32 {
+    if s == 0.0 {
+        0.0
+    } else {
+        ((w - z) / s).round_ties_even().clamp(0.0, levels)
+    }
+}
+
+/// What `mx.dequantize` computes on mlx[cpu] 0.32.4 (found by experiment for f32, f16 and bf16 scales): the product
+/// and then the sum are each rounded to the scale's type S. The result is an S value, carried as f32.
+#[inline(always)]
+fn dequantize_value<S: Float>(q: f32, s: f32, z: f32) -> f32 {
+    round::<S>(round::<S>(q * s) + z)
+}
+
+/// The output value of every code of a group: dequantizing is then one table lookup per element.
+/// (Always 16 entries so one table type serves 4 and 3 bits; INT3 uses the first 8.)
+#[inline(always)]
+fn lut<S: Float, O: Float>(scale: S, bias: S) -> [O; 16] {
+    let (s, z) = (scale.to_f32(), bias.to_f32());
+    array::from_fn(|q| O::from_f32(dequantize_value::<S>(q as f32, s, z)))
+}
+
+/// Squared error of a group quantized with (s, z) and dequantized as the runtime does, in f64. The order of the
+/// additions is fixed so that the loop vectorises and the reference's `_sq_error` can follow it exactly: eight
+/// running sums, lane j taking elements j, j+8, j+16, ... in turn, then the eight added in lane order.
+#[inline(always)]
+fn sq_error<S: Float>(w: &[f32], s: f32, z: f32, levels: f32) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    for eight in w.chunks_exact(8) {
+        for (lane, &x) in lanes.iter_mut().zip(eight) {
+            let d = dequantize_value::<S>(code(x, s, z, levels), s, z) as f64 - x as f64;
+            *lane += d * d;
+        }
+    }
+    lanes.iter().fold(0.0, |sum, &lane| sum + lane)
+}
+
+multiversion! {
+    /// Quantizes one row: codes into `q` (one byte per element) and one scale and bias per group.
+    fn quantize_row<K: Packing, S: Float>(
+        w: &[f32],
+        group: usize,
+        clip_search: bool,
+        q: &mut [u8],
+        scales: &mut [S],
+        biases: &mut [S],
+    ) -> Result<(), String> {
+        let levels = K::LEVELS as f32;
+        let groups = w.chunks_exact(group).zip(q.chunks_exact_mut(group));
+        for ((w, q), (scale, bias)) in groups.zip(scales.iter_mut().zip(biases.iter_mut())) {
+            let (mut lo, mut hi, mut finite) = (f32::INFINITY, f32::NEG_INFINITY, true);
+            for &x in w {
+                finite &= x.is_finite();
+                lo = lo.min(x);
+                hi = hi.max(x);
+            }
+            if !finite {
+                return Err("w contains NaN or inf; refusing to quantize it".into());
+            }
+            // min/max may return either zero when a group holds both -0.0 and +0.0; adding +0.0 makes it +0.0.
+            (lo, hi) = (lo + 0.0, hi + 0.0);
+            let (mut s, mut z) = params::<S>(lo, hi, levels);
+            if !(s.is_finite() && z.is_finite()) {
+                let (scheme, dtype) = (K::NAME, S::NAME);
+                return Err(format!("{scheme}: a group's scale or bias overflows {dtype}; use a wider scale_dtype"));
+            }
+            if clip_search {
+                let mut best = sq_error::<S>(w, s, z, levels);
+                let span = hi - lo;
+                for k in 1..CLIP_STEPS {
+                    let t = clip_shrink(k);
+                    let (s_k, z_k) = params::<S>(lo + t * span, hi - t * span, levels);
+                    let err = sq_error::<S>(w, s_k, z_k, levels);
+                    if err < best {
+                        // strict: on a tie the wider range (tried first) stays
+                        (best, s, z) = (err, s_k, z_k);
+                    }
+                }
+            }
+            for (q, &x) in q.iter_mut().zip(w) {
+                *q = code(x, s, z, levels) as u8;
+            }
+            (*scale, *bias) = (S::from_f32(s), S::from_f32(z));
+        }
+        Ok(())
+    }
+}
+
+/// Quantizes `w` ([rows, cols] row-major; cols checked with `check_group`) into packed codes and one
+/// scale and bias per group. Fails on NaN/inf or when a scale or bias does not fit S.
+pub fn quantize<K: Packing, W: Float, S: Float>(
+    w: &[W],
+    cols: usize,
+    group: usize,
+    clip_search: bool,
+    packed: &mut [K::Word],
+    scales: &mut [S],
+    biases: &mut [S],
+) -> Result<(), String> {
+    if cols == 0 {
+        return Ok(());
+    }
+    let words = K::words(cols);
+    let groups = cols / group;
+    packed
+        .par_chunks_mut(words)
+        .zip(w.par_chunks(cols))
+        .zip(scales.par_chunks_mut(groups).zip(biases.par_chunks_mut(groups)))
+        .with_min_len(task_rows(cols))
+        .try_for_each_init(
+            || (vec![0f32; cols], vec![0u8; cols]),
+            |(row, q), ((packed, w), (scales, biases))| {
+                for (f, &x) in row.iter_mut().zip(w) {
+                    *f = x.to_f32();
+                }
+                quantize_row::<K, S>(row, group, clip_search, q, scales, biases)?;
+                K::pack_row(q, packed);
+                Ok(())
+            },
+        )
+}
+
+/// Dequantizes [rows, cols] packed codes into `out`: per group, a table of the output value of every code, then
+/// one lookup per element.
+pub fn dequantize<K: Packing, S: Float, O: Float>(
+    packed: &[K::Word],
+    scales: &[S],
+    biases: &[S],
+    cols: usize,
+    group: usize,
+    out: &mut [O],
+) {
+    if cols == 0 {
+        return;
+    }
+    let words = K::words(cols);
+    let (groups, group_words) = (cols / group, words / (cols / group));
+    out.par_chunks_mut(cols)
+        .zip(packed.par_chunks(words))
+        .zip(scales.par_chunks(groups).zip(biases.par_chunks(groups)))
+        .with_min_len(task_rows(cols))
+        .for_each(|((out, packed), (scales, biases))| {
+            dequantize_row::<K, S, O>(packed, group_words, scales, biases, group, out)
+        });
+}
+
+multiversion! {
+    fn dequantize_row<K: Packing, S: Float, O: Float>(
+        packed: &[K::Word],
+        group_words: usize,
+        scales: &[S],
+        biases: &[S],
+        group: usize,
+        out: &mut [O],
+    ) {
+        let parts = out.chunks_exact_mut(group).zip(packed.chunks_exact(group_words));
+        for ((out, packed), (&s, &z)) in parts.zip(scales.iter().zip(biases)) {
+            K::unpack_values(packed, &lut::<S, O>(s, z), out);
+        }
+    }
+}
+
+/// Packs [rows, cols] codes (cols a multiple of BLOCK); fails if a code exceeds LEVELS.
+pub fn pack<K: Packing>(q: &[u8], cols: usize, packed: &mut [K::Word]) -> Result<(), String> {
+    if let Some(v) = q.par_iter().copied().find_any(|&v| v > K::LEVELS) {
+        return Err(format!("{}: q holds {v}; values must be 0..{}", K::NAME, K::LEVELS));
+    }
+    if cols == 0 {
+        return Ok(());
+    }
+    let words = K::words(cols);
+    packed
+        .par_chunks_mut(words)
+        .zip(q.par_chunks(cols))
+        .with_min_len(task_rows(cols))
+        .for_each(|(packed, q)| K::pack_row(q, packed));
+    Ok(())
+}
+
+/// Unpacks [rows, words] packed codes into [rows, cols] codes.
+pub fn unpack<K: Packing>(packed: &[K::Word], cols: usize, q: &mut [u8]) {
+    const CODES: [u8; 16] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+    if cols == 0 {
+        return;
+    }
+    let words = K::words(cols);
+    q.par_chunks_mut(cols)
+        .zip(packed.par_chunks(words))
+        .with_min_len(task_rows(cols))
+        .for_each(|(q, packed)| K::unpack_row(packed, &CODES, q));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::int4::Int4;
+    use half::{bf16, f16};
+
+    fn quantize_group<S: Float + Default>(w: &[f32], clip: bool) -> Result<(Vec<u8>, S, S), String> {
+        let (mut q, mut s, mut z) = (vec![0u8; w.len()], [S::default()], [S::default()]);
+        quantize_row::<Int4, S>(w, w.len(), clip, &mut q, &mut s, &mut z)?;
+        Ok((q, s[0], z[0]))
+    }
+
+    #[test]
+    fn group_checks() {
+        assert!(Int4::check_group(128, 64).is_ok());
+        assert!(Int4::check_group(128, 48).unwrap_err().contains("48"));
+        assert!(Int4::check_group(96, 64).unwrap_err().contains("96"));
+    }
+
+    #[test]
+    fn ramp_is_exact() {
+        // 0..15 twice: scale 1, bias 0, the codes are the values, dequantization is exact
+        let w: Vec<f32> = (0..32).map(|i| (i % 16) as f32).collect();
+        let (q, s, z) = quantize_group::<bf16>(&w, false).unwrap();
+        assert_eq!((s.to_f32(), z.to_f32()), (1.0, 0.0));
+        let table: [f32; 16] = lut::<bf16, f32>(s, z);
+        assert!(q.iter().zip(&w).all(|(&q, &x)| table[q as usize] == x));
+    }
+
+    #[test]
+    fn constant_and_signed_zero_groups() {
+        let mut w = vec![-0.0f32; 32];
+        w[5] = 0.0;
+        let (q, s, z) = quantize_group::<f32>(&w, true).unwrap();
+        assert_eq!((s.to_bits(), z.to_bits()), (0, 0)); // +0.0, never NaN
+        assert!(q.iter().all(|&q| q == 0));
+    }
+
+    #[test]
+    fn rejects_non_finite_and_overflow() {
+        let mut w = vec![1.0f32; 32];
+        w[3] = f32::NAN;
+        assert!(quantize_group::<f16>(&w, false).unwrap_err().contains("NaN"));
+        w[3] = 1e6; // beyond float16
+        assert!(quantize_group::<f16>(&w, false).unwrap_err().contains("float16"));
+        assert!(quantize_group::<bf16>(&w, false).is_ok());
+    }
+
+    #[test]
+    fn clip_search_helps_long_tails() {
+        // cubes of an even spread: most values near 0, a few out to +-1
+        let w: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 31.5) / 32.0).map(|x| x * x * x).collect();
+        let err = |clip| {
+            let (_, s, z) = quantize_group::<f32>(&w, clip).unwrap();
+            sq_error::<f32>(&w, s, z, 15.0)
+        };
+        assert!(err(true) < err(false));
+    }
+}

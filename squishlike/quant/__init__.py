@@ -1,0 +1,162 @@
+"""Quantize and dequantize INT8 / INT4 / INT3 weights with the Rust kernels (`squishlike.rust_quant`).
+
+Same functions and signatures as the NumPy spec in `squishlike.quant.reference`, with the same bits out, at memory
+speed. See that module for the conventions: dtype names, bfloat16 as raw uint16, N-D weights seen as 2-D.
+
+The kernels take NumPy arrays as they are, read-only and memory-mapped ones included, without copying; an input
+that is not C-contiguous is refused (QuantizationError) rather than silently copied. Dequantizers write into
+`out=` when given (any array whose 2-D view is [rows, cols], of the out_dtype's storage dtype, writeable) and
+allocate otherwise. Wrong dtypes raise TypeError; every other bad input raises
+`squishlike.errors.QuantizationError` (a ValueError).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from squishlike import rust_quant as _rq
+from squishlike.quant.reference import (
+    int4_to_mlx,
+    mlx_to_int4,
+    rows_cols,
+    src_dtype_of,
+    storage_dtype,
+)
+
+__all__ = [
+    "quantize_int8",
+    "dequantize_int8",
+    "quantize_int4",
+    "dequantize_int4",
+    "pack_int4",
+    "unpack_int4",
+    "int4_to_mlx",
+    "mlx_to_int4",
+    "quantize_int3",
+    "dequantize_int3",
+    "pack_int3",
+    "unpack_int3",
+]
+
+
+def _out(out: np.ndarray | None, shape: tuple[int, int], dtype: str) -> np.ndarray:
+    return np.empty(shape, storage_dtype(dtype)) if out is None else out
+
+
+def quantize_int8(w: np.ndarray, *, src_dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric INT8 -> (q int8 [r, c], scales float32 [r])."""
+    src = src_dtype_of(w, src_dtype)
+    rows, cols = rows_cols(w.shape, "w")
+    q, scales = np.empty((rows, cols), np.int8), np.empty(rows, np.float32)
+    _rq.quantize_int8(w, src, q, scales)
+    return q, scales
+
+
+def dequantize_int8(
+    q: np.ndarray, scales: np.ndarray, *, out_dtype: str = "bfloat16", out: np.ndarray | None = None
+) -> np.ndarray:
+    """q * scale per row -> [r, c] in out_dtype (uint16 bits for bfloat16)."""
+    out = _out(out, rows_cols(q.shape, "q"), out_dtype)
+    _rq.dequantize_int8(q, scales, out, out_dtype)
+    return out
+
+
+def quantize_int4(
+    w: np.ndarray,
+    *,
+    src_dtype: str | None = None,
+    group_size: int = 64,
+    scale_dtype: str = "bfloat16",
+    clip_search: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Affine 4-bit per group -> (packed uint8 [r, c//2], scales [r, c//g], biases [r, c//g]) in scale_dtype."""
+    src = src_dtype_of(w, src_dtype)
+    rows, cols = rows_cols(w.shape, "w")
+    groups = (rows, cols // group_size if group_size > 0 else 0)
+    packed = np.empty((rows, cols // 2), np.uint8)
+    scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
+    _rq.quantize_int4(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
+    return packed, scales, biases
+
+
+def dequantize_int4(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    group_size: int,
+    scale_dtype: str = "bfloat16",
+    out_dtype: str = "bfloat16",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Bit-identical to mx.dequantize(int4_to_mlx(packed), scales, biases, bits=4) in out_dtype."""
+    rows, half = rows_cols(packed.shape, "packed")
+    out = _out(out, (rows, half * 2), out_dtype)
+    _rq.dequantize_int4(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+    return out
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..15 [r, c] -> uint8 [r, c//2], the low nibble holding the even column."""
+    rows, cols = rows_cols(q.shape, "q")
+    packed = np.empty((rows, cols // 2), np.uint8)
+    _rq.pack_int4(q, packed)
+    return packed
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """uint8 [r, c//2] -> uint8 codes 0..15 [r, c]."""
+    rows, half = rows_cols(packed.shape, "packed")
+    q = np.empty((rows, half * 2), np.uint8)
+    _rq.unpack_int4(packed, q)
+    return q
+
+
+def quantize_int3(
+    w: np.ndarray,
+    *,
+    src_dtype: str | None = None,
+    group_size: int = 64,
+    scale_dtype: str = "bfloat16",
+    clip_search: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Affine 3-bit per group -> (packed uint32 [r, c*3//32] as mx.quantize(bits=3) packs, scales, biases)."""
+    src = src_dtype_of(w, src_dtype)
+    rows, cols = rows_cols(w.shape, "w")
+    groups = (rows, cols // group_size if group_size > 0 else 0)
+    packed = np.empty((rows, cols * 3 // 32), np.uint32)
+    scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
+    _rq.quantize_int3(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
+    return packed, scales, biases
+
+
+def dequantize_int3(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    group_size: int,
+    scale_dtype: str = "bfloat16",
+    out_dtype: str = "bfloat16",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Bit-identical to mx.dequantize(packed, scales, biases, bits=3) in out_dtype."""
+    rows, words = rows_cols(packed.shape, "packed")
+    out = _out(out, (rows, words * 32 // 3), out_dtype)
+    _rq.dequantize_int3(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+    return out
+
+
+def pack_int3(q: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..7 [r, c] -> uint32 [r, c*3//32] in mx.quantize(bits=3)'s layout."""
+    rows, cols = rows_cols(q.shape, "q")
+    packed = np.empty((rows, cols * 3 // 32), np.uint32)
+    _rq.pack_int3(q, packed)
+    return packed
+
+
+def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
+    """uint32 [r, cols*3//32] in mx.quantize(bits=3)'s layout -> uint8 codes 0..7 [r, cols]."""
+    q = np.empty((rows_cols(packed.shape, "packed")[0], cols), np.uint8)
+    _rq.unpack_int3(packed, q)
+    return q
