@@ -1,0 +1,155 @@
+"""One model config for every format: filled from a config.json or from GGUF metadata, written as a config.json
+that mlx_lm accepts (`mlx_lm.utils._get_classes(d)`, then `ModelArgs.from_dict(d)`).
+
+The fields are the facts the provider and the loader need; every other config.json key rides along in `extra`
+untouched. A family that spells a field differently (GPT-2's `n_embd`) lists the spelling in its Architecture's
+`config_aliases`; we read either spelling and write the family's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
+from os import PathLike
+from typing import Any
+
+from gguf import LlamaFileType
+
+from .arch import Architecture, architecture_for, architecture_for_gguf
+from .errors import FormatError, UnsupportedArchitectureError
+
+REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+# GGUF metadata key (after `{arch}.`) for each required field; vocab_size falls back to the tokenizer's size.
+GGUF_REQUIRED = {
+    "hidden_size": "embedding_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "intermediate_size": "feed_forward_length",
+}
+
+# A GGUF's float type, when the whole file has one; a quantized file dequantizes to a runtime we pick: bfloat16
+# has float32's range, so no family overflows in it.
+GGUF_FILE_DTYPES = {
+    LlamaFileType.ALL_F32: "float32",
+    LlamaFileType.MOSTLY_F16: "float16",
+    LlamaFileType.MOSTLY_BF16: "bfloat16",
+}
+
+
+@dataclass
+class ModelConfig:
+    """A model's hyperparameters under transformers' names (`hidden_size`, ...), plus every other key in `extra`."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int | None = None
+    num_key_value_heads: int | None = None  # None: as many as attention heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float | None = None
+    layer_norm_eps: float | None = None
+    rope_theta: float | None = None
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], path: str | PathLike = "config.json") -> ModelConfig:
+        """From a config.json dict. FormatError (naming `path`) when a required key is missing."""
+        rest = dict(config)
+        aliases = _aliases(rest.get("model_type"))
+        for alias, name in aliases.items():
+            if alias in rest:
+                rest.setdefault(name, rest.pop(alias))
+        # transformers >= 5 writes `dtype`, and nests rope_theta in rope_parameters
+        if rest.get("torch_dtype") is None and "dtype" in rest:
+            rest["torch_dtype"] = rest.pop("dtype")
+        if rest.get("rope_theta") is None:
+            rest["rope_theta"] = (rest.get("rope_parameters") or {}).get("rope_theta")
+
+        missing = [key for key in REQUIRED if rest.get(key) is None]
+        if missing:
+            raise FormatError(path, f"config is missing required keys: {', '.join(missing)}")
+        if "tie_word_embeddings" not in rest:
+            family = _family(rest["model_type"])
+            rest["tie_word_embeddings"] = family.tie_word_embeddings_default if family else False
+
+        names = {f.name for f in fields(cls)} - {"extra"}
+        values = {key: rest.pop(key) for key in names if key in rest}
+        return cls(**values, extra=rest)
+
+    @classmethod
+    def from_gguf(
+        cls, metadata: Mapping[str, Any], tensor_names: Collection[str], path: str | PathLike = "model.gguf"
+    ) -> ModelConfig:
+        """From GGUF metadata (key -> value) and the file's tensor names (tied when `output.weight` is absent).
+
+        Keys are read as `{arch}.{key}` first, then as `{key}`. FormatError (naming `path`) lists missing keys.
+        """
+        gguf_arch = metadata.get("general.architecture")
+        if gguf_arch is None:
+            raise FormatError(path, "GGUF metadata has no general.architecture")
+        family = architecture_for_gguf(gguf_arch)
+
+        def get(key: str) -> Any:
+            return metadata.get(f"{gguf_arch}.{key}", metadata.get(key))
+
+        missing = [f"{gguf_arch}.{key}" for key in GGUF_REQUIRED.values() if get(key) is None]
+        vocab_size = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+        if not vocab_size:
+            missing.append(f"{gguf_arch}.vocab_size (or tokenizer.ggml.tokens)")
+        if missing:
+            raise FormatError(path, f"GGUF metadata is missing required keys: {', '.join(missing)}")
+
+        config = {name: get(key) for name, key in GGUF_REQUIRED.items()}
+        config.update(
+            model_type=family.model_type,
+            vocab_size=vocab_size,
+            num_key_value_heads=get("attention.head_count_kv"),
+            head_dim=get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"],
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+            layer_norm_eps=get("attention.layer_norm_epsilon"),
+            rope_theta=get("rope.freq_base"),
+            max_position_embeddings=get("context_length"),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            torch_dtype=GGUF_FILE_DTYPES.get(metadata.get("general.file_type"), "bfloat16"),
+        )
+        scaling = get("rope.scaling.type")
+        if scaling not in (None, "none"):
+            config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+            if original := get("rope.scaling.original_context_length"):
+                config["rope_scaling"]["original_max_position_embeddings"] = original
+        if family.gguf_config is not None:
+            config.update(family.gguf_config(get, config))
+        return cls.from_dict({k: v for k, v in config.items() if v is not None}, path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json dict: `extra` as it came, the fields on top, in the family's own spelling."""
+        out = dict(self.extra)
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"})
+        aliases = _aliases(self.model_type)
+        out.update({alias: out[name] for alias, name in aliases.items()})
+        return {key: value for key, value in out.items() if value is not None and key not in aliases.values()}
+
+
+def _family(model_type: str | None) -> Architecture | None:
+    # A config of a family we have no rule table for still parses; the provider refuses it later.
+    try:
+        return architecture_for(model_type)
+    except UnsupportedArchitectureError:
+        return None
+
+
+def _aliases(model_type: str | None) -> Mapping[str, str]:
+    family = _family(model_type)
+    return family.config_aliases if family else {}

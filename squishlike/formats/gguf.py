@@ -1,0 +1,215 @@
+"""GGUF (llama.cpp's single-file format, v2 and v3), read with gguf-py, llama.cpp's own Python package.
+
+A GGUF file is: magic `GGUF`, version, tensor count, metadata key/value count, the metadata (hyperparameters under
+`{arch}.*`, the tokenizer under `tokenizer.ggml.*` and `tokenizer.chat_template`), one info record per tensor
+(name, dims fastest-moving first, ggml type, offset), then the aligned tensor data. gguf-py memory-maps the file,
+so reading a tensor touches only its bytes.
+
+Names are llama.cpp's (`blk.3.attn_q.weight`): the "gguf" column of the architecture's rule table. Values are as
+llama.cpp's converter wrote them (Llama Q/K permuted, Gemma norms +1); the provider's adapters undo that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+from tokenizers import Tokenizer, pre_tokenizers, processors
+
+from ..config import ModelConfig
+from ..errors import FormatError, MissingTensorError
+from .base import FormatReader, TensorInfo
+
+MAGIC = b"GGUF"
+FLOAT_TYPES = {
+    gguf.GGMLQuantizationType.F32: "float32",
+    gguf.GGMLQuantizationType.F16: "float16",
+    gguf.GGMLQuantizationType.BF16: "bfloat16",
+}
+
+# tokenizer_config.json key -> the GGUF key (after `tokenizer.ggml.`) holding its id
+SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+GENERATION_IDS = ("bos_token_id", "eos_token_id")  # generation_config.json keys, spelled as in GGUF
+
+# `tokenizer.ggml.pre` values whose split transformers does not know (it would fall back to GPT-2's).
+PRE_TOKENIZERS = {
+    # llama.cpp's "smollm": every digit alone, then GPT-2's split, as SmolLM's own tokenizer.json does
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    ),
+}
+
+
+_ARRAY = int(gguf.GGUFValueType.ARRAY)  # a plain int: numpy's uint32 against an IntEnum compares ~50x slower
+
+
+class _BoundedGGUFReader(gguf.GGUFReader):
+    """gguf-py's reader, refusing to read past the end of the file.
+
+    gguf-py slices its memory map, and a slice past the end is silently short: a truncated file or a tensor offset
+    beyond the end would give short arrays, and an absurd array length would loop for billions of items.
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        array = super()._get(offset, dtype, count, override_order)
+        if array.size < count:  # the memory map ended first
+            raise EOFError(f"a read of {count} items at byte {offset} runs past the end of the file")
+        return array
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == _ARRAY:
+            length = int(self._get(orig_offs + 4, np.uint64)[0])
+            if length > self.data.size - orig_offs:  # every item takes at least one byte
+                raise EOFError(f"an array at byte {orig_offs} claims {length} items, more than the file holds")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
+class GGUFReader(FormatReader):
+    """One .gguf file. `metadata` holds every key/value as GGUF spells it (`llama.block_count`, ...)."""
+
+    format_name = "gguf"
+    naming = "gguf"
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        with open(self.path, "rb") as f:
+            magic = f.read(len(MAGIC))
+        if magic != MAGIC:
+            raise FormatError(self.path, f"bad magic {magic!r}, a GGUF file starts with {MAGIC!r}")
+        try:
+            self._gguf = _BoundedGGUFReader(self.path)
+        except (ValueError, KeyError, IndexError, EOFError, UnicodeDecodeError, OverflowError) as e:
+            # gguf-py raises these for a bad version, unknown value or tensor type, duplicate or truncated records
+            raise FormatError(self.path, f"unreadable GGUF: {e}") from e
+        if self._gguf.byte_order != "I":
+            raise FormatError(self.path, "big-endian GGUF files are not supported")
+        self._tensors = {t.name: t for t in self._gguf.tensors}
+        self.metadata: dict[str, Any] = {
+            key: _value(field) for key, field in self._gguf.fields.items() if not key.startswith("GGUF.")
+        }
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        path = Path(path)
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+
+    @property
+    def version(self) -> int:
+        return int(self._gguf.fields["GGUF.version"].contents())
+
+    def config(self) -> dict:
+        return ModelConfig.from_gguf(self.metadata, self._tensors, self.path).to_dict()
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {
+            t.name: TensorInfo(
+                name=t.name,
+                shape=tuple(reversed([int(d) for d in t.shape])),
+                dtype=FLOAT_TYPES.get(t.tensor_type, t.tensor_type.name),
+                nbytes=int(t.n_bytes),
+                quantized=t.tensor_type not in FLOAT_TYPES,
+            )
+            for t in self._gguf.tensors
+        }
+
+    def read(self, name: str) -> mx.array:
+        """F32, F16 and BF16 as stored; every type gguf-py dequantizes (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ*) as
+        float32."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise MissingTensorError(self.path, name)
+        if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            return mx.array(tensor.data)
+        if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
+            # gguf-py hands BF16 over as raw bytes; numpy has no bfloat16, MLX does.
+            shape = tuple(reversed([int(d) for d in tensor.shape]))
+            return mx.array(tensor.data.view(np.uint16).reshape(shape)).view(mx.bfloat16)
+        try:
+            return mx.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        except NotImplementedError as e:
+            raise FormatError(self.path, f"{name}: tensor type {tensor.tensor_type.name} is not supported") from e
+
+    def write_side_files(self, dest: Path) -> list[Path]:
+        """config.json and, when the metadata holds a tokenizer, tokenizer.json, tokenizer_config.json (with the
+        chat template), special_tokens_map.json and generation_config.json."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        files = {"config.json": self.config()}
+        written = []
+        if "tokenizer.ggml.tokens" in self.metadata:
+            tokenizer, tokenizer_config = self._tokenizer()
+            tokenizer.save(str(dest / "tokenizer.json"))
+            written.append(dest / "tokenizer.json")
+            files["tokenizer_config.json"] = tokenizer_config
+            files["special_tokens_map.json"] = {k: v for k, v in tokenizer_config.items() if k in SPECIAL_TOKENS}
+            ids = {key: self.metadata.get(f"tokenizer.ggml.{key}") for key in GENERATION_IDS}
+            files["generation_config.json"] = {key: value for key, value in ids.items() if value is not None}
+        for file, content in files.items():
+            (dest / file).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+            written.append(dest / file)
+        return written
+
+    def _tokenizer(self) -> tuple[Tokenizer, dict[str, Any]]:
+        """The metadata's tokenizer as a `tokenizers.Tokenizer`, and its tokenizer_config.json dict.
+
+        transformers knows how to turn llama.cpp's vocabulary into a fast tokenizer; its own `get_gguf_tokenizer`
+        imports torch, so we gather the metadata it wants ourselves, with its key renames.
+        """
+        # imported here: transformers takes most of a second to import
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+        def renamed(group: str) -> dict:
+            keys = {name: f"tokenizer.{key}" for key, name in GGUF_TOKENIZER_MAPPING[group].items()}
+            return {name: self.metadata[key] for name, key in keys.items() if key in self.metadata}
+
+        tokenizer_dict = renamed("tokenizer")
+        try:
+            tokenizer, _ = convert_gguf_tokenizer(self.metadata.get("general.architecture"), tokenizer_dict)
+        except ValueError as e:
+            raise FormatError(self.path, f"cannot rebuild the tokenizer: {e}") from e
+        pre_tokenizer = PRE_TOKENIZERS.get(tokenizer_dict.get("pre_tokenizer_type"))
+        if pre_tokenizer is not None:
+            tokenizer.pre_tokenizer = pre_tokenizer()
+
+        config = renamed("tokenizer_config")
+        if tokenizer_dict.get("tokenizer_type") == "llama":
+            # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+            config.setdefault("add_bos_token", True)
+        tokens = tokenizer_dict["tokens"]
+        for token, id_key in SPECIAL_TOKENS.items():
+            token_id = self.metadata.get(f"tokenizer.ggml.{id_key}")
+            if token_id is not None and token_id < len(tokens):
+                config[token] = tokens[token_id]
+        if config.get("add_bos_token") and "bos_token" in config:
+            # Put into the tokenizer itself, so every loader adds it, not only those that read add_bos_token.
+            bos = config["bos_token"]
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, self.metadata["tokenizer.ggml.bos_token_id"])],
+            )
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"  # tokenizer.json as written, no class-specific fixups
+        return tokenizer, config
+
+
+def _value(field: gguf.ReaderField) -> Any:
+    value = field.contents()
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
+        # the shortest decimal that is this float32: 1e-05 in config.json, not 9.999999747378752e-06
+        return float(str(np.float32(value)))
+    return value
+

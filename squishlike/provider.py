@@ -1,0 +1,169 @@
+"""Canonical-name access to a model's weights, whatever format holds them (SPEC §4, §5).
+
+    with open_weights("model.gguf") as weights:
+        q = weights.get("layers.3.attention.q.weight")   # canonical orientation, permutation undone
+        model.load_weights([(weights.mlx_name(n), weights.get(n)) for n in weights.names()])
+
+The reader (squishlike.formats) knows the file layout and spells names its own way; the architecture
+(squishlike.arch) knows the model family: its rule table maps the reader's names (the column the reader's `naming`
+picks) to canonical ones, and its adapters turn the stored values into canonical values.
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .arch import Architecture, Need, Rule, architecture_for
+from .config import ModelConfig
+from .errors import MissingTensorError
+from .formats import FormatReader, QuantizedTensor, open_reader
+from .storage import write_json
+
+# Config keys that describe how a source stores its tensors quantized; the provider hands out dense tensors.
+QUANTIZATION_KEYS = ("quantization", "quantization_config")
+
+
+class WeightProvider:
+    """One model's tensors under canonical names. Open with `WeightProvider.open(path)` (or `open_weights`)."""
+
+    def __init__(self, reader: FormatReader):
+        self.reader = reader
+        self.config = ModelConfig.from_dict(reader.config(), reader.path)
+        self.arch: Architecture = architecture_for(self.config.model_type)
+        stored = reader.tensors()
+        # canonical name -> rule row, for the rows whose tensor the file has, in model order
+        self._rules: dict[str, Rule] = {
+            r.canonical: r
+            for r in self.arch.expanded_rules(self.config.num_hidden_layers)
+            if getattr(r, reader.naming) in stored
+        }
+        self._check_needed()
+
+    @classmethod
+    def open(cls, path: str | PathLike, *, ollama_root: str | PathLike | None = None) -> WeightProvider:
+        """Open a model file or directory in any format squishlike reads, or an Ollama `name:tag`."""
+        path = Path(path)
+        if not path.exists():
+            path = _resolve_ollama(str(path), ollama_root) or path  # open_reader names the path it could not find
+        reader = open_reader(path)
+        try:
+            return cls(reader)
+        except BaseException:  # an unsupported or incomplete model: let go of the file before saying so
+            reader.close()
+            raise
+
+    @property
+    def format(self) -> str:
+        return self.reader.format_name
+
+    def names(self) -> list[str]:
+        """Canonical names present in the source, in model order."""
+        return list(self._rules)
+
+    def has(self, name: str) -> bool:
+        return name in self._rules
+
+    def source_name(self, name: str) -> str:
+        """The name the file gives the canonical tensor `name`."""
+        return getattr(self._rule(name), self.reader.naming)
+
+    def mlx_name(self, name: str) -> str:
+        """The mlx_lm model parameter `name` binds to (after the model's `sanitize`)."""
+        return self._rule(name).mlx
+
+    def get(self, name: str) -> mx.array:
+        """The canonical tensor `name`, dequantized if stored quantized, in its canonical orientation and values."""
+        array = self.reader.read(self.source_name(name))
+        return self.arch.to_canonical(self.reader.naming, name, array, self.config)
+
+    def get_quantized(self, name: str) -> QuantizedTensor | None:
+        """The MLX quantized triple when the file stores `name` so and its values need no adapter (an adapter works
+        on values, not on packed data: a permuted GGUF Q is dequantized by `get` instead). Else None."""
+        if self.arch.adapters_for(self.reader.naming, name):
+            return None
+        return self.reader.read_quantized(self.source_name(name))
+
+    def fuse(self, *names: str) -> mx.array:
+        """The canonical tensors `names` stacked by rows (Q+K+V, gate+up)."""
+        return mx.concatenate([self.get(name) for name in names], axis=0)
+
+    def fuse_quantized(self, *names: str) -> QuantizedTensor | None:
+        """`fuse` on quantized triples, part by part (weights, scales, biases), giving again a valid triple.
+        None unless every tensor is available quantized with the same group size, bits and mode."""
+        parts = [self.get_quantized(name) for name in names]
+        if any(p is None for p in parts) or len({(p.group_size, p.bits, p.mode) for p in parts}) != 1:
+            return None
+        first = parts[0]
+        return QuantizedTensor(
+            weight=mx.concatenate([p.weight for p in parts], axis=0),
+            scales=mx.concatenate([p.scales for p in parts], axis=0),
+            biases=None if first.biases is None else mx.concatenate([p.biases for p in parts], axis=0),
+            group_size=first.group_size,
+            bits=first.bits,
+            mode=first.mode,
+        )
+
+    def listing(self) -> list[dict[str, Any]]:
+        """A row per canonical tensor, for `squishlike inspect`: `canonical`, `source` (the file's name), `dtype`
+        (stored float type or quant type: "bfloat16", "Q4_1", "affine4" ...), `shape` (as the file stores it:
+        GPT-2's HF Conv1D weights are [in, out] there) and `nbytes` (on disk)."""
+        stored = self.reader.tensors()
+        names = self.names()
+        infos = [stored[self.source_name(name)] for name in names]
+        return [
+            {"canonical": name, "source": info.name, "dtype": info.dtype, "shape": info.shape, "nbytes": info.nbytes}
+            for name, info in zip(names, infos)
+        ]
+
+    def dense_config(self) -> dict:
+        """The config.json dict for the tensors `get` returns: dequantized, so without the source's quantization."""
+        config = self.config.to_dict()
+        for key in QUANTIZATION_KEYS:
+            config.pop(key, None)
+        return config
+
+    def write_side_files(self, dest: str | PathLike) -> list[Path]:
+        """Tokenizer files, generation config, chat template as the reader rebuilds them, and a config.json that
+        describes the tensors `get` returns (dense_config)."""
+        dest = Path(dest)
+        written = self.reader.write_side_files(dest)
+        write_json(dest / "config.json", self.dense_config())
+        return sorted(set(written) | {dest / "config.json"})
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> WeightProvider:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _rule(self, name: str) -> Rule:
+        rule = self._rules.get(name)
+        if rule is None:
+            raise MissingTensorError(self.reader.path, name, f"no such tensor in this {self.config.model_type} model")
+        return rule
+
+    def _check_needed(self) -> None:
+        # Every row the family always has, and the output projection unless tied to the embedding.
+        needed = {Need.ALWAYS} | ({Need.WHEN_UNTIED} if not self.config.tie_word_embeddings else set())
+        for r in self.arch.expanded_rules(self.config.num_hidden_layers):
+            if r.need in needed and r.canonical not in self._rules:
+                source = getattr(r, self.reader.naming)
+                problem = f"tensor is missing (the file would call it {source})"
+                raise MissingTensorError(self.reader.path, r.canonical, problem)
+
+
+def _resolve_ollama(ref: str, root: str | PathLike | None) -> Path | None:
+    """The manifest of the Ollama model `ref` (`name:tag`) in the store at `root` (default: Ollama's own)."""
+    from .formats.ollama import OllamaReader  # imported on use, as the format registry imports readers
+
+    return OllamaReader.resolve(ref, Path(root) if root is not None else None)
+
+
+open_weights = WeightProvider.open
