@@ -1,0 +1,208 @@
+"""Hugging Face model directories: config.json plus model.safetensors, or shards named by model.safetensors.index.json.
+
+Also the pieces every safetensors-based reader shares (mlx.py builds on HFReader, ollama.py on SafetensorsFile):
+opening one file with its header validated, reading one tensor's bytes, and copying the model's side files.
+
+Why both libraries: the safetensors library validates a header completely (length, JSON, dtypes, offsets that
+overlap, leave gaps, run past the end or disagree with dtype x shape), but its numpy/mlx frameworks go through
+NumPy, which has no bfloat16. `mx.load` reads bfloat16 and is lazy (each array preads only its own bytes when
+evaluated) but checks little. So a file is validated once by `safe_open`, then read through `mx.load`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+from safetensors import SafetensorError, safe_open
+
+from ..errors import FormatError, MissingTensorError
+from ..storage import copy_file, read_json
+from .base import FormatReader, TensorInfo
+
+INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG = "config.json"
+
+# What mlx_lm.load and transformers' tokenizers look for beside the weights.
+SIDE_FILES = (
+    CONFIG,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+SIDE_FILE_PATTERNS = ("*.tiktoken",)
+
+# safetensors dtype -> the MLX dtype that holds it exactly. Types MLX has no exact home for (F64, F8_*, F4, F6_*)
+# are refused: mx.load would hand F8 back as raw uint8 and nobody downstream would know.
+DTYPES: dict[str, mx.Dtype] = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "F32": mx.float32,
+    "C64": mx.complex64,
+}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"float32", "bfloat16", "uint32" ... (the spelling TensorInfo uses)."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
+class SafetensorsFile:
+    """One .safetensors file: header validated on open, tensors read one at a time and lazily.
+
+    `entries` maps each tensor name to (shape, MLX dtype); `metadata` is the header's `__metadata__`.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with safe_open(str(self.path), framework="numpy") as f:
+                self.metadata: dict[str, str] = f.metadata() or {}
+                slices = {name: f.get_slice(name) for name in f.keys()}
+                declared = {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()}
+        except (SafetensorError, OSError) as e:
+            raise FormatError(self.path, f"not a valid safetensors file: {e}") from None
+        self.entries: dict[str, tuple[tuple[int, ...], mx.Dtype]] = {}
+        for name, (shape, dtype) in declared.items():
+            if dtype not in DTYPES:
+                raise FormatError(self.path, f"tensor {name!r} has dtype {dtype}, which MLX cannot hold exactly")
+            self.entries[name] = (shape, DTYPES[dtype])
+        self._pending: dict[str, mx.array] = {}
+
+    def info(self, name: str) -> TensorInfo:
+        shape, dtype = self.entries[name]
+        return TensorInfo(name, shape, dtype_name(dtype), math.prod(shape) * dtype.size)
+
+    def read(self, name: str) -> mx.array:
+        """A lazy array that reads only this tensor's bytes when evaluated.
+
+        mx.load builds a lazy array for every tensor of the file; we hand them out one by one and keep none we
+        have handed out, so the reader never pins evaluated weights in memory. A tensor read twice is loaded again.
+        """
+        if name not in self.entries:
+            raise MissingTensorError(self.path, name)
+        if name not in self._pending:
+            try:
+                self._pending = mx.load(str(self.path), format="safetensors")
+            except (RuntimeError, ValueError, OSError) as e:
+                raise FormatError(self.path, f"cannot read tensors: {e}") from None
+        return self._pending.pop(name)
+
+    def close(self) -> None:
+        # Unread lazy arrays hold the file open.
+        self._pending = {}
+
+
+def find_weights(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """(weight files, tensor name -> file from model.safetensors.index.json, or None when there is no index).
+
+    Without an index: model.safetensors, else `model*.safetensors` as mlx_lm globs them.
+    """
+    index = directory / INDEX
+    if not index.is_file():
+        single = directory / SINGLE_FILE
+        return ([single] if single.is_file() else sorted(directory.glob("model*.safetensors"))), None
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError(index, "has no weight_map of tensor name -> shard file")
+    shards = {}
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard:
+            raise FormatError(index, f"shard {shard!r} is not a file name in {directory}")
+        if not (directory / shard).is_file():
+            raise FormatError(index, f"names shard {shard}, which does not exist")
+        shards[shard] = directory / shard
+    return list(shards.values()), {name: shards[shard] for name, shard in weight_map.items()}
+
+
+def load_config(directory: Path) -> dict:
+    config = read_json(directory / CONFIG)
+    if not isinstance(config, dict):
+        raise FormatError(directory / CONFIG, "is not a JSON object")
+    return config
+
+
+def copy_side_files(source: Path, dest: Path) -> list[Path]:
+    """Copy config.json, tokenizer files, generation config and chat template from `source` into `dest`."""
+    names = [n for n in SIDE_FILES if (source / n).is_file()]
+    names += sorted(p.name for pattern in SIDE_FILE_PATTERNS for p in source.glob(pattern))
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        copy_file(source / name, dest / name)
+    return [dest / name for name in names]
+
+
+class HFReader(FormatReader):
+    """config.json + model.safetensors (or shards + index), tensors under the names the files spell."""
+
+    format_name = "hf"
+    naming = "hf"
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        if not (self.path / CONFIG).is_file():
+            raise FormatError(self.path, f"no {CONFIG}")
+        paths, index = find_weights(self.path)
+        if not paths:
+            raise FormatError(self.path, f"no {INDEX}, {SINGLE_FILE} or model*.safetensors")
+        self._files = {p: SafetensorsFile(p) for p in paths}
+        # tensor name -> the file holding it
+        self._where: dict[str, SafetensorsFile] = {}
+        if index is not None:
+            for name, p in index.items():
+                if name not in self._files[p].entries:
+                    raise FormatError(self.path / INDEX, f"places {name} in {p.name}, which does not hold it")
+                self._where[name] = self._files[p]
+        else:
+            for f in self._files.values():
+                for name in f.entries:
+                    if name in self._where:
+                        raise FormatError(f.path, f"tensor {name} is also in {self._where[name].path.name}")
+                    self._where[name] = f
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        """config.json beside an index or model*.safetensors. Headers are checked on open, so that a damaged file
+        is reported by name and problem rather than as "not a model"."""
+        path = Path(path)
+        return (path / CONFIG).is_file() and ((path / INDEX).is_file() or any(path.glob("model*.safetensors")))
+
+    def config(self) -> dict:
+        return load_config(self.path)
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {name: f.info(name) for name, f in self._where.items()}
+
+    def read(self, name: str) -> mx.array:
+        if name not in self._where:
+            raise MissingTensorError(self.path, name)
+        return self._where[name].read(name)
+
+    def write_side_files(self, dest: Path) -> list[Path]:
+        return copy_side_files(self.path, Path(dest))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
