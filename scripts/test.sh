@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
 cargo test --quiet --manifest-path rust_quant/Cargo.toml
-.venv/bin/python -m pytest -q "$@"
+blas=$(.venv/bin/python -c "from squishlike.evaluate import find_openblas; print(find_openblas() or '')")
+LD_PRELOAD="${blas}${LD_PRELOAD:+:$LD_PRELOAD}" .venv/bin/python -m pytest -q "$@"

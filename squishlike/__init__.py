@@ -18,7 +18,7 @@ _API = {
     "load": "loader",
     "compress": "compressor",
     "open_weights": "provider",
-    "export": "export",
+    "export": "exporter",
 }
 
 __all__ = [*_API, "__version__"]

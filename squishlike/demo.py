@@ -13,7 +13,7 @@ from pathlib import Path
 from .bench import measure_load
 from .compressor import compress
 from .default_model import default_model_path
-from .export import export
+from .exporter import export
 
 QUESTION = "What is the capital of France?"
 
