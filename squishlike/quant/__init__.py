@@ -70,13 +70,8 @@ def quantize_int4(
     clip_search: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Affine 4-bit per group -> (packed uint8 [r, c//2], scales [r, c//g], biases [r, c//g]) in scale_dtype."""
-    src = src_dtype_of(w, src_dtype)
-    rows, cols = rows_cols(w.shape, "w")
-    groups = (rows, cols // group_size if group_size > 0 else 0)
-    packed = np.empty((rows, cols // 2), np.uint8)
-    scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
-    _rq.quantize_int4(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
-    return packed, scales, biases
+    return _quantize_affine(_rq.quantize_int4, w, src_dtype, group_size, scale_dtype, clip_search,
+                            lambda cols: cols // 2, np.uint8)
 
 
 def dequantize_int4(
@@ -121,12 +116,18 @@ def quantize_int3(
     clip_search: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Affine 3-bit per group -> (packed uint32 [r, c*3//32] as mx.quantize(bits=3) packs, scales, biases)."""
+    return _quantize_affine(_rq.quantize_int3, w, src_dtype, group_size, scale_dtype, clip_search,
+                            lambda cols: cols * 3 // 32, np.uint32)
+
+
+def _quantize_affine(kernel, w, src_dtype, group_size, scale_dtype, clip_search, packed_cols, packed_dtype):
+    """Allocate the packed codes and the per-group scales/biases, then let the Rust kernel fill them."""
     src = src_dtype_of(w, src_dtype)
     rows, cols = rows_cols(w.shape, "w")
     groups = (rows, cols // group_size if group_size > 0 else 0)
-    packed = np.empty((rows, cols * 3 // 32), np.uint32)
+    packed = np.empty((rows, packed_cols(cols)), packed_dtype)
     scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
-    _rq.quantize_int3(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
+    kernel(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
     return packed, scales, biases
 
 
