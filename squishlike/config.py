@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 from os import PathLike
 from typing import Any
 
 from gguf import LlamaFileType
 
 from .arch import Architecture, architecture_for, architecture_for_gguf
-from .errors import FormatError, UnsupportedArchitectureError
+from .errors import FormatError, SquishError, UnsupportedArchitectureError
 
 REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -74,12 +75,18 @@ class ModelConfig:
         # transformers >= 5 writes `dtype`, and nests rope_theta in rope_parameters
         if rest.get("torch_dtype") is None and "dtype" in rest:
             rest["torch_dtype"] = rest.pop("dtype")
-        if rest.get("rope_theta") is None:
-            rest["rope_theta"] = (rest.get("rope_parameters") or {}).get("rope_theta")
+        if rest.get("rope_theta") is None and isinstance(rest.get("rope_parameters"), dict):
+            rest["rope_theta"] = rest["rope_parameters"].get("rope_theta")
 
         missing = [key for key in REQUIRED if rest.get(key) is None]
         if missing:
             raise FormatError(path, f"config is missing required keys: {', '.join(missing)}")
+        if not isinstance(rest["model_type"], str):
+            raise FormatError(path, f"config's model_type is {rest['model_type']!r}, not a name")
+        for key in (*REQUIRED[1:], "num_key_value_heads"):  # sizes and divisors: hostile values fail here, named
+            value = rest.get(key)
+            if value is not None and (not isinstance(value, Integral) or isinstance(value, bool) or value <= 0):
+                raise FormatError(path, f"config key {key} is {value!r}; it must be a positive integer")
         if "tie_word_embeddings" not in rest:
             family = _family(rest["model_type"])
             rest["tie_word_embeddings"] = family.tie_word_embeddings_default if family else False
@@ -96,9 +103,21 @@ class ModelConfig:
 
         Keys are read as `{arch}.{key}` first, then as `{key}`. FormatError (naming `path`) lists missing keys.
         """
+        try:
+            return cls._from_gguf(metadata, tensor_names, path)
+        except SquishError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError, OverflowError) as e:
+            # hostile metadata: a count of zero, a string where a number belongs, ...
+            raise FormatError(path, f"GGUF metadata does not describe a model: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Collection[str], path) -> ModelConfig:
         gguf_arch = metadata.get("general.architecture")
         if gguf_arch is None:
             raise FormatError(path, "GGUF metadata has no general.architecture")
+        if not isinstance(gguf_arch, str):
+            raise FormatError(path, f"GGUF general.architecture is {gguf_arch!r}, not a name")
         family = architecture_for_gguf(gguf_arch)
 
         def get(key: str) -> Any:

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from .arch import Architecture, Need, Rule, architecture_for
 from .config import ModelConfig
-from .errors import MissingTensorError
+from .errors import MissingTensorError, UnsupportedArchitectureError
 from .formats import FormatReader, QuantizedTensor, open_reader
 from .storage import write_json
 
@@ -32,8 +32,13 @@ class WeightProvider:
 
     def __init__(self, reader: FormatReader):
         self.reader = reader
-        self.config = ModelConfig.from_dict(reader.config(), reader.path)
-        self.arch: Architecture = architecture_for(self.config.model_type)
+        try:
+            self.config = ModelConfig.from_dict(reader.config(), reader.path)
+            self.arch: Architecture = architecture_for(self.config.model_type)
+        except UnsupportedArchitectureError as e:  # say which model names the unknown architecture
+            if str(reader.path) in str(e):
+                raise
+            raise UnsupportedArchitectureError(f"{reader.path}: {e}") from None
         stored = reader.tensors()
         # canonical name -> rule row, for the rows whose tensor the file has, in model order
         self._rules: dict[str, Rule] = {

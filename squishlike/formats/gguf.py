@@ -93,9 +93,12 @@ class GGUFReader(FormatReader):
         if self._gguf.byte_order != "I":
             raise FormatError(self.path, "big-endian GGUF files are not supported")
         self._tensors = {t.name: t for t in self._gguf.tensors}
-        self.metadata: dict[str, Any] = {
-            key: _value(field) for key, field in self._gguf.fields.items() if not key.startswith("GGUF.")
-        }
+        try:
+            self.metadata: dict[str, Any] = {
+                key: _value(field) for key, field in self._gguf.fields.items() if not key.startswith("GGUF.")
+            }
+        except (ValueError, IndexError, OverflowError) as e:  # UnicodeDecodeError is a ValueError
+            raise FormatError(self.path, f"unreadable GGUF metadata: {e}") from e
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -130,6 +133,14 @@ class GGUFReader(FormatReader):
         tensor = self._tensors.get(name)
         if tensor is None:
             raise MissingTensorError(self.path, name)
+        try:
+            return self._read_tensor(name, tensor)
+        except FormatError:
+            raise
+        except (OverflowError, ValueError, TypeError, IndexError) as e:  # dims MLX cannot hold, a short block ...
+            raise FormatError(self.path, f"{name}: unreadable tensor ({type(e).__name__}: {e})") from None
+
+    def _read_tensor(self, name: str, tensor) -> mx.array:
         if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             return mx.array(tensor.data)
         if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
@@ -180,7 +191,7 @@ class GGUFReader(FormatReader):
         tokenizer_dict = renamed("tokenizer")
         try:
             tokenizer, _ = convert_gguf_tokenizer(self.metadata.get("general.architecture"), tokenizer_dict)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a vocabulary it rejects
             raise FormatError(self.path, f"cannot rebuild the tokenizer: {e}") from e
         pre_tokenizer = PRE_TOKENIZERS.get(tokenizer_dict.get("pre_tokenizer_type"))
         if pre_tokenizer is not None:

@@ -34,7 +34,7 @@ class QuantParams:
     @classmethod
     def from_dict(cls, params: dict) -> QuantParams:
         mode = params.get("mode", "affine")
-        default_group, default_bits = MODE_DEFAULTS.get(mode, (None, None))
+        default_group, default_bits = MODE_DEFAULTS.get(mode, (None, None)) if isinstance(mode, str) else (None, None)
         return cls(params.get("group_size") or default_group, params.get("bits") or default_bits, mode)
 
     @property
@@ -104,6 +104,10 @@ class MLXReader(HFReader):
             if override is False:
                 raise FormatError(self.path, f"{layer} is stored quantized but config.json says it is not")
             params = QuantParams.from_dict(override) if isinstance(override, dict) else default
+            if params.mode in MODES and not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (params.group_size, params.bits)):
+                raise FormatError(self.path / CONFIG, f"{layer}: quantization group_size {params.group_size!r} and "
+                                                      f"bits {params.bits!r} must be positive integers")
             shape = quantized_shape(
                 self.path, f"{layer}.weight", params,
                 entries[f"{layer}.weight"], entries[scales_name], entries.get(f"{layer}.biases"),

@@ -130,8 +130,12 @@ def find_weights(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
     for shard in sorted(set(weight_map.values())):
         if Path(shard).name != shard:
             raise FormatError(index, f"shard {shard!r} is not a file name in {directory}")
-        if not (directory / shard).is_file():
-            raise FormatError(index, f"names shard {shard}, which does not exist")
+        try:
+            exists = (directory / shard).is_file()
+        except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte
+            exists = False
+        if not exists:
+            raise FormatError(index, f"names shard {shard!r}, which does not exist")
         shards[shard] = directory / shard
     return list(shards.values()), {name: shards[shard] for name, shard in weight_map.items()}
 

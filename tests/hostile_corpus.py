@@ -1,0 +1,664 @@
+"""A corpus of crafted, hostile model files, generated at test time (no binaries in the repository).
+
+Each `Case` builds one crafted file (or directory) from a small valid base (a one-layer llama as an HF directory,
+its npy-dir, the npy-dir with every tier built, an Ollama store, a raw GGUF) and says what squishlike must do with
+it: raise a typed error (a subclass of squishlike.errors.SquishError) whose message names the crafted file, and
+never execute anything (payloads that would create a PWNED marker file sit in several cases).
+
+Used by tests/test_hostile_files.py (one test per case) and as the seed corpus of the fuzzers in fuzz/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from squishlike.errors import (
+    FormatError,
+    IntegrityError,
+    TierNotReadyError,
+    UnknownFormatError,
+    UnsupportedArchitectureError,
+)
+
+MARKER = "PWNED"  # a payload that runs creates this file in the case's directory
+
+
+@dataclass
+class Base:
+    """The valid models every case starts from (built once per test session)."""
+
+    hf: Path  # HF directory: config.json, model.safetensors, tokenizer files
+    npydir: Path  # its INT4 npy-dir, no tiers built
+    built: Path  # the same with every tier built
+    ollama_root: Path  # an Ollama store holding the model as tiny:latest
+    ollama_manifest: Path
+    weights_digest: str  # the clean load's weights (crash_harness.weights_digest)
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[Base, Path], Path]  # (base, empty case dir) -> the path squishlike is pointed at
+    expect: type  # the typed error
+    names: str = "{target}"  # what the message must contain; {target}, {case} are filled in
+    action: str = "open"  # "open" (provider, every tensor), "load", "npydir", "sentinel:<tier>", "compress"
+    groups: tuple[str, ...] = field(default_factory=tuple)
+
+
+# ---------------------------------------------------------------------------------------------- raw builders
+
+
+def st_raw(header: dict | None = None, data: bytes = b"", *, raw: bytes | None = None, length: int | None = None) -> bytes:
+    """A safetensors file: u64 header length, the header, the data."""
+    hb = raw if raw is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(hb) if length is None else length) + hb + data
+
+
+def _u32(v: int) -> bytes:
+    return struct.pack("<I", v)
+
+
+def _u64(v: int) -> bytes:
+    return struct.pack("<Q", v)
+
+
+def _gstr(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return _u64(len(b)) + b
+
+
+# GGUF value types
+G_U32, G_F32, G_STRING, G_ARRAY = 4, 6, 8, 9
+
+
+def _gval(vtype: int, value) -> bytes:
+    if vtype == G_U32:
+        return _u32(value)
+    if vtype == G_F32:
+        return struct.pack("<f", value)
+    if vtype == G_STRING:
+        return _gstr(value)
+    if vtype == G_ARRAY:
+        subtype, items = value
+        return _u32(subtype) + _u64(len(items)) + b"".join(_gval(subtype, i) for i in items)
+    raise ValueError(vtype)
+
+
+LLAMA_KV = [
+    ("general.architecture", G_STRING, "llama"),
+    ("llama.embedding_length", G_U32, 8),
+    ("llama.block_count", G_U32, 1),
+    ("llama.attention.head_count", G_U32, 2),
+    ("llama.feed_forward_length", G_U32, 16),
+    ("llama.vocab_size", G_U32, 4),
+]
+EMBD = ("token_embd.weight", [8, 4], 0, 0)  # name, dims (fastest first), type F32, offset
+
+
+def gguf_raw(kvs=None, tensors=None, data: bytes | None = None, *, version: int = 3, magic: bytes = b"GGUF",
+             n_tensors: int | None = None, n_kv: int | None = None, raw_kv: bytes | None = None,
+             raw_tensors: bytes | None = None) -> bytes:
+    kvs = LLAMA_KV if kvs is None else kvs
+    tensors = [EMBD] if tensors is None else tensors
+    out = magic + _u32(version) + _u64(len(tensors) if n_tensors is None else n_tensors)
+    out += _u64(len(kvs) if n_kv is None else n_kv)
+    out += raw_kv if raw_kv is not None else b"".join(_gstr(k) + _u32(t) + _gval(t, v) for k, t, v in kvs)
+    if raw_tensors is not None:
+        out += raw_tensors
+    else:
+        for name, dims, ttype, offset in tensors:
+            out += _gstr(name) + _u32(len(dims)) + b"".join(_u64(d) for d in dims) + _u32(ttype) + _u64(offset)
+    out += b"\0" * (-len(out) % 32)
+    return out + (np.arange(32, dtype=np.float32).tobytes() if data is None else data)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def hf_with(base: Base, d: Path, weights: bytes | None = None, config: dict | None = None,
+            config_raw: bytes | None = None) -> Path:
+    target = shutil.copytree(base.hf, d / "model")
+    if weights is not None:
+        (target / "model.safetensors").write_bytes(weights)
+    if config is not None:
+        (target / "config.json").write_text(json.dumps(config))
+    if config_raw is not None:
+        (target / "config.json").write_bytes(config_raw)
+    return target
+
+
+def hf_config(base: Base) -> dict:
+    return json.loads((base.hf / "config.json").read_text())
+
+
+def npy_copy(base: Base, d: Path, built: bool = False) -> Path:
+    return shutil.copytree(base.built if built else base.npydir, d / "model", symlinks=True)
+
+
+def manifest_edit(target: Path, fn: Callable[[dict], None]) -> Path:
+    m = json.loads((target / "manifest.json").read_text())
+    fn(m)
+    (target / "manifest.json").write_text(json.dumps(m))
+    return target
+
+
+def first_entry(m: dict, scheme: str = "int4") -> dict:
+    return next(e for e in m["tensors"].values() if e["scheme"] == scheme)
+
+
+def part(target: Path, suffix: str = "q4", scheme: str = "int4") -> Path:
+    m = json.loads((target / "manifest.json").read_text())
+    return target / "tensors" / f"{first_entry(m, scheme)['key']}__{suffix}.npy"
+
+
+class _Evil:
+    """Unpickling this opens (creates) the marker file: proof that a pickle ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def npy_header_bytes(descr: str, shape, fortran: bool = False) -> bytes:
+    header = "{" + f"'descr': {descr!r}, 'fortran_order': {fortran}, 'shape': {tuple(shape)!r}, " + "}"
+    header += " " * (-(len(header) + 11) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode()
+
+
+def ollama_edit(base: Base, d: Path, fn: Callable[[Path, dict], None]) -> Path:
+    root = shutil.copytree(base.ollama_root, d / "store")
+    manifest = root / base.ollama_manifest.relative_to(base.ollama_root)
+    m = json.loads(manifest.read_text())
+    fn(root, m)
+    manifest.write_text(json.dumps(m))
+    return manifest
+
+
+def ollama_blob(root: Path, layer: dict) -> Path:
+    return root / "blobs" / layer["digest"].replace(":", "-")
+
+
+def tensor_layer(m: dict, suffix: str = "v_proj.weight") -> dict:
+    return next(x for x in m["layers"] if x.get("name", "").endswith(suffix))
+
+
+def _rewrite_blob(root: Path, layer: dict, data: bytes, fix_digest: bool) -> None:
+    old = ollama_blob(root, layer)
+    old.unlink()
+    if fix_digest:
+        layer["digest"] = "sha256:" + hashlib.sha256(data).hexdigest()
+        layer["size"] = len(data)
+    ollama_blob(root, layer).write_bytes(data)
+
+
+def sentinel_edit(target: Path, rel: str, fn: Callable[[dict], dict | str]) -> Path:
+    path = target / rel
+    payload = json.loads(path.read_text())
+    new = fn(payload)
+    path.write_text(new if isinstance(new, str) else json.dumps(new))
+    return target
+
+
+def _set(d: dict, **kv) -> dict:
+    d.update(kv)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- the corpus
+
+F32x16 = np.arange(16, dtype=np.float32).tobytes()  # 64 bytes
+
+
+def _st(header, data=F32x16):
+    return lambda b, d: hf_with(b, d, st_raw(header, data))
+
+
+def _st_raw(raw: bytes):
+    return lambda b, d: hf_with(b, d, raw)
+
+
+CASES: list[Case] = [
+    # --- safetensors (inside an HF directory; the message names model.safetensors)
+    Case("st-header-length-huge", _st_raw(st_raw(raw=b"{}", length=2**63 - 1)), FormatError, groups=("safetensors",)),
+    Case("st-header-length-beyond-file", _st_raw(st_raw(raw=b'{"a": 1}', length=10_000)), FormatError),
+    Case("st-shorter-than-its-length-field", _st_raw(b"\x05\x00\x00"), FormatError),
+    Case("st-header-invalid-json", _st_raw(st_raw(raw=b'{"w": {"dtype": "F32", ')), FormatError),
+    Case("st-header-not-utf8", _st_raw(st_raw(raw=b'{"\xff\xfe": 1}')), FormatError),
+    Case("st-header-is-a-list", _st_raw(st_raw(raw=b"[1, 2, 3]")), FormatError),
+    Case("st-offsets-overlap", _st({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]},
+                                    "b": {"dtype": "F32", "shape": [8], "data_offsets": [16, 48]}}), FormatError),
+    Case("st-offsets-out-of-range", _st({"a": {"dtype": "F32", "shape": [256], "data_offsets": [0, 1024]}}),
+         FormatError),
+    Case("st-offsets-not-dtype-times-shape", _st({"a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}},
+                                                 F32x16[:60]), FormatError),
+    Case("st-offsets-reversed", _st({"a": {"dtype": "F32", "shape": [0], "data_offsets": [64, 0]}}), FormatError),
+    Case("st-offsets-leave-a-gap", _st({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                                        "b": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}}), FormatError),
+    Case("st-unknown-dtype", _st({"a": {"dtype": "Q9_K", "shape": [16], "data_offsets": [0, 64]}}), FormatError),
+    Case("st-dtype-mlx-cannot-hold", _st({"a": {"dtype": "F64", "shape": [8], "data_offsets": [0, 64]}}), FormatError),
+    Case("st-shape-overflows", _st({"a": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 64]}}),
+         FormatError),
+    Case("st-shape-negative", _st({"a": {"dtype": "F32", "shape": [-4, -4], "data_offsets": [0, 64]}}), FormatError),
+    Case("st-data-truncated", _st({"a": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}}, F32x16[:40]),
+         FormatError),
+    Case("st-metadata-not-strings", _st({"__metadata__": {"format": 7},
+                                         "a": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}}), FormatError),
+    Case("st-index-shard-outside-the-directory", lambda b, d: _index(b, d, "../evil.safetensors"), FormatError,
+         names="model.safetensors.index.json"),
+    Case("st-index-shard-absolute-path", lambda b, d: _index(b, d, "/etc/hostname"), FormatError,
+         names="model.safetensors.index.json"),
+    Case("st-index-missing-shard", lambda b, d: _index(b, d, "model-00002-of-00002.safetensors"), FormatError,
+         names="model.safetensors.index.json"),
+    Case("st-index-shard-name-too-long", lambda b, d: _index(b, d, "x" * 300 + ".safetensors"), FormatError,
+         names="model.safetensors.index.json"),
+    Case("st-index-not-json", lambda b, d: _index(b, d, None), FormatError, names="model.safetensors.index.json"),
+    Case("st-tensor-shape-wrong-for-its-role", lambda b, d: _wrong_role(b, d), FormatError, names="{target}",
+         action="load"),
+    # --- .npy parts of an npy-dir (the message names the part; nothing is unpickled)
+    Case("npy-object-dtype-pickle-payload", lambda b, d: _npy_pickle(b, d), FormatError, names="{part}",
+         action="load"),
+    Case("npy-wrong-dtype-for-its-role", lambda b, d: _npy_replace(b, d, lambda a: a.astype(np.float32)),
+         FormatError, names="{part}", action="load"),
+    Case("npy-wrong-shape-for-its-role", lambda b, d: _npy_replace(b, d, lambda a: a.reshape(-1)), FormatError,
+         names="{part}", action="load"),
+    Case("npy-bad-magic", lambda b, d: _npy_bytes(b, d, lambda raw: b"\x93NUMPX" + raw[6:]), FormatError,
+         names="{part}", action="load"),
+    Case("npy-data-truncated", lambda b, d: _npy_bytes(b, d, lambda raw: raw[:-33]), FormatError, names="{part}",
+         action="load"),
+    Case("npy-fortran-order", lambda b, d: _npy_fortran(b, d), FormatError, names="{part}", action="load"),
+    Case("npy-header-shape-huge", lambda b, d: _npy_header(b, d, "|u1", (2**40, 2**40)), FormatError,
+         names="{part}", action="load"),
+    Case("npy-header-code-not-literal", lambda b, d: _npy_code_header(b, d), FormatError, names="{part}",
+         action="load"),
+    Case("npy-part-is-a-symlink-out-of-the-directory", lambda b, d: _npy_symlink(b, d), FormatError,
+         names="{part}", action="load"),
+    Case("npy-part-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d), part), FormatError, names="{part}",
+         action="load"),
+    Case("side-file-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d), lambda t: t / "tokenizer.json"), FormatError,
+         names="tokenizer.json", action="load"),
+    Case("sentinel-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d, True), lambda t: t / ".squish_4bit_ready"),
+         TierNotReadyError, names=".squish_4bit_ready", action="sentinel:int4"),
+    # --- the npy-dir manifest
+    Case("manifest-key-with-dotdot", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), key="..%2F..%2Fevil")), FormatError, names="manifest.json", action="load"),
+    Case("manifest-key-raw-dotdot-slash", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), key="../../evil")), FormatError, names="manifest.json", action="load"),
+    Case("manifest-key-too-long-for-the-filesystem", lambda b, d: _long_key(b, d), FormatError,
+         names="manifest.json", action="load"),
+    Case("manifest-key-absolute-path", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), key="/etc/hostname")), FormatError, names="manifest.json", action="load"),
+    Case("manifest-side-file-dotdot", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: m["side_files"].update(
+        {"../outside.json": {"size": 2, "sha256": "0" * 64}})), FormatError, names="manifest.json", action="load"),
+    Case("manifest-side-file-absolute", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: m["side_files"].update(
+        {"/etc/hostname": {"size": 2, "sha256": "0" * 64}})), FormatError, names="manifest.json", action="load"),
+    Case("side-file-symlink-out-of-the-directory", lambda b, d: _side_symlink(b, d), FormatError,
+         names="config.json", action="load"),
+    Case("manifest-not-json", lambda b, d: _write(npy_copy(b, d) / "manifest.json", b'{"format": "squishlike-npy-dir",')
+         .parent, FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-nested-too-deep", lambda b, d: _write(npy_copy(b, d) / "manifest.json",
+                                                         b'{"format": "squishlike-npy-dir", "x": ' + b"[" * 100_000)
+         .parent, FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-integer-too-long", lambda b, d: _write(npy_copy(b, d) / "manifest.json",
+                                                          b'{"format": "squishlike-npy-dir", "x": ' + b"9" * 20_000 + b"}")
+         .parent, FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-unknown-scheme", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), scheme="int2")), FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-group-size-zero", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), group_size=0)), FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-group-size-a-string", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), group_size="32")), FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-shape-negative", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        first_entry(m), shape=[-64, -64])), FormatError, names="{target}", action="load"),
+    Case("manifest-shape-beyond-its-files", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _huge(m)),
+         FormatError, names="token_embedding.weight__pt.npy", action="load"),
+    Case("manifest-tensor-not-in-the-architecture", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: m[
+        "tensors"].update({"layers.0.evil.weight": {**m["tensors"]["output_norm.weight"],
+                                                    "key": "layers.0.evil.weight"}})),
+         FormatError, names="manifest.json", action="load"),
+    Case("manifest-entry-not-an-object", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: m["tensors"].update(
+        {next(iter(m["tensors"])): ["not", "an", "entry"]})), FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-unknown-format-version", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        m, format_version=99)), FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-files-do-not-match-scheme", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: first_entry(m)[
+        "files"].pop("z4")), FormatError, names="manifest.json", action="npydir"),
+    Case("manifest-unknown-model-type", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        m, model_type="evil_arch")), UnsupportedArchitectureError, names="{target}", action="load"),
+    Case("manifest-unknown-runtime-dtype", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        m, runtime_dtype="float8")), FormatError, names="manifest.json", action="npydir"),
+    # --- sentinels (never trusted: the default load ignores them; a forced tier is refused naming the sentinel)
+    Case("sentinel-not-json", lambda b, d: _write(npy_copy(b, d, True) / ".squish_ready", b'{"files": ').parent,
+         TierNotReadyError, names=".squish_ready", action="sentinel:mlx"),
+    Case("sentinel-lies-about-a-size", lambda b, d: sentinel_edit(npy_copy(b, d, True), ".squish_4bit_ready",
+                                                                  lambda p: _lie(p, 1)),
+         TierNotReadyError, names=".squish_4bit_ready", action="sentinel:int4"),
+    Case("sentinel-names-a-file-outside", lambda b, d: sentinel_edit(npy_copy(b, d, True), ".squish_ready",
+                                                                     lambda p: _set(p, files={"../../etc/hostname": {
+                                                                         "size": 1, "sha256": "0"}})),
+         TierNotReadyError, names=".squish_ready", action="sentinel:mlx"),
+    Case("sentinel-names-an-absolute-path", lambda b, d: sentinel_edit(npy_copy(b, d, True), ".squish_ready",
+                                                                       lambda p: _set(p, files={"/etc/hostname": {
+                                                                           "size": 1, "sha256": "0"}})),
+         TierNotReadyError, names=".squish_ready", action="sentinel:mlx"),
+    Case("sentinel-size-not-a-number", lambda b, d: sentinel_edit(npy_copy(b, d, True), "finalized/.ready",
+                                                                  lambda p: _lie(p, "big")),
+         TierNotReadyError, names="finalized/.ready", action="sentinel:finalized"),
+    Case("sentinel-of-another-manifest", lambda b, d: sentinel_edit(npy_copy(b, d, True), ".squish_4bit_ready",
+                                                                    lambda p: _set(p, manifest_fingerprint="f" * 64)),
+         TierNotReadyError, names=".squish_4bit_ready", action="sentinel:int4"),
+    Case("tier-directory-symlinked-out", lambda b, d: _tier_dir_symlink(b, d), TierNotReadyError,
+         names="finalized/.ready", action="sentinel:finalized"),
+    # --- GGUF
+    Case("gguf-bad-magic", lambda b, d: _write(d / "model.gguf", gguf_raw(magic=b"GGUX")), UnknownFormatError),
+    Case("gguf-unknown-version", lambda b, d: _write(d / "model.gguf", gguf_raw(version=99)), FormatError),
+    Case("gguf-absurd-tensor-count", lambda b, d: _write(d / "model.gguf", gguf_raw(n_tensors=2**63)), FormatError),
+    Case("gguf-absurd-kv-count", lambda b, d: _write(d / "model.gguf", gguf_raw(n_kv=2**62)), FormatError),
+    Case("gguf-absurd-string-length", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        raw_kv=_u64(2**60) + b"general.architecture" + _u32(G_STRING) + _gstr("llama"), n_kv=1)), FormatError),
+    Case("gguf-absurd-array-length", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        raw_kv=_gstr("tokenizer.ggml.tokens") + _u32(G_ARRAY) + _u32(G_STRING) + _u64(2**61), n_kv=1)), FormatError),
+    Case("gguf-tensor-offset-beyond-file", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[("token_embd.weight", [8, 4], 0, 1 << 40)])), FormatError),
+    Case("gguf-unknown-tensor-type", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[("token_embd.weight", [8, 4], 999, 0)])), FormatError),
+    Case("gguf-unknown-value-type", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        raw_kv=_gstr("general.architecture") + _u32(77) + _gstr("llama"), n_kv=1)), FormatError),
+    Case("gguf-truncated-in-metadata", lambda b, d: _write(d / "model.gguf", gguf_raw()[:60]), FormatError),
+    Case("gguf-absurd-dimension-count", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        raw_tensors=_gstr("token_embd.weight") + _u32(2**31) + _u64(8))), FormatError),
+    Case("gguf-dimensions-overflow", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[("token_embd.weight", [2**62, 2**62], 0, 0)])), FormatError),
+    Case("gguf-duplicate-tensor-names", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[EMBD, EMBD])), FormatError),
+    Case("gguf-no-architecture", lambda b, d: _write(d / "model.gguf", gguf_raw(kvs=LLAMA_KV[1:])), FormatError),
+    Case("gguf-unknown-architecture", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        kvs=[("general.architecture", G_STRING, "evilarch")])), UnsupportedArchitectureError),
+    Case("gguf-metadata-not-utf8", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        kvs=[("general.architecture", G_STRING, b"ll\xffma")])), FormatError),
+    # --- Ollama
+    Case("ollama-blob-digest-mismatch", lambda b, d: _ollama_tamper(b, d, fix_digest=False), IntegrityError,
+         names="{blob}"),
+    Case("ollama-manifest-names-a-missing-blob", lambda b, d: ollama_edit(b, d, lambda root, m: _set(
+        tensor_layer(m), digest="sha256:" + "ab" * 32)), FormatError),
+    Case("ollama-digest-not-sha256-hex", lambda b, d: ollama_edit(b, d, lambda root, m: _set(
+        tensor_layer(m), digest="sha256:../../../etc/hostname")), FormatError),
+    Case("ollama-blob-size-differs", lambda b, d: ollama_edit(b, d, lambda root, m: _set(
+        tensor_layer(m), size=tensor_layer(m)["size"] + 1)), IntegrityError, names="{blob}"),
+    Case("ollama-json-layer-name-leaves-the-store", lambda b, d: ollama_edit(b, d, lambda root, m: _set(
+        next(x for x in m["layers"] if x.get("name") == "config.json"), name="../../config.json")), FormatError),
+    Case("ollama-blob-is-hostile-safetensors", lambda b, d: _ollama_tamper(b, d, fix_digest=True), FormatError,
+         names="{blob}"),
+    # --- MLX quantized directories
+    Case("mlx-quantization-group-size-not-a-number", lambda b, d: _mlx_config(b, d, {"group_size": {"x": 32}}),
+         FormatError, names="config.json"),
+    Case("mlx-quantization-unknown-mode", lambda b, d: _mlx_config(b, d, {"mode": "int9"}), FormatError,
+         names="{target}"),
+    Case("mlx-quantization-bits-do-not-fit", lambda b, d: _mlx_config(b, d, {"bits": 8}), FormatError,
+         names="{target}"),
+    # --- config.json
+    Case("config-missing-required-keys", lambda b, d: hf_with(b, d, config={
+        k: v for k, v in hf_config(b).items() if k not in ("hidden_size", "num_hidden_layers")}),
+         FormatError, names="{target}"),
+    Case("config-unknown-architecture", lambda b, d: hf_with(b, d, config={**hf_config(b), "model_type": "evil"}),
+         UnsupportedArchitectureError, names="{target}"),
+    Case("config-not-json", lambda b, d: hf_with(b, d, config_raw=b'{"model_type": "llama", '), FormatError,
+         names="config.json"),
+    Case("config-not-an-object", lambda b, d: hf_with(b, d, config_raw=b'["llama"]'), FormatError,
+         names="config.json"),
+    Case("config-sizes-not-numbers", lambda b, d: hf_with(b, d, config={**hf_config(b), "hidden_size": "64"}),
+         FormatError, names="{target}"),
+    Case("config-zero-heads", lambda b, d: hf_with(b, d, config={**hf_config(b), "num_attention_heads": 0}),
+         FormatError, names="{target}"),
+    Case("config-names-custom-model-code", lambda b, d: _model_file(hf_with(b, d, config={
+        **hf_config(b), "model_file": "evil.py"})), UnsupportedArchitectureError, names="{target}", action="load"),
+    Case("npydir-config-names-custom-model-code", lambda b, d: _npy_model_file(b, d),
+         UnsupportedArchitectureError, names="{target}", action="load"),
+    Case("tokenizer-config-names-custom-code", lambda b, d: _tokenizer_auto_map(b, d), FormatError,
+         names="{target}", action="load"),
+]
+
+
+for _case in CASES:  # a damaged safetensors file inside an HF directory: the message names that file
+    if _case.name.startswith("st-") and _case.names == "{target}" and _case.action == "open":
+        _case.names = "{target}/model.safetensors"
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _index(base: Base, d: Path, shard: str | None) -> Path:
+    target = hf_with(base, d)
+    index = target / "model.safetensors.index.json"
+    if shard is None:
+        index.write_text('{"weight_map": {')
+    else:
+        index.write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+    return target
+
+
+def _wrong_role(base: Base, d: Path) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    target = hf_with(base, d)
+    tensors = load_file(str(target / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name] = np.zeros((3, 3), tensors[name].dtype)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def _npy_replace(base: Base, d: Path, fn) -> Path:
+    target = npy_copy(base, d)
+    p = part(target)
+    np.save(p, fn(np.load(p)), allow_pickle=False)
+    return target
+
+
+def _npy_bytes(base: Base, d: Path, fn) -> Path:
+    target = npy_copy(base, d)
+    p = part(target)
+    p.write_bytes(fn(p.read_bytes()))
+    return target
+
+
+def _npy_pickle(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d)
+    p = part(target)
+    evil = np.empty(1, dtype=object)
+    evil[0] = _Evil(d / MARKER)
+    with open(p, "wb") as f:
+        np.lib.format.write_array(f, evil, allow_pickle=True)
+    return target
+
+
+def _npy_fortran(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d)
+    p = part(target)
+    a = np.load(p)
+    np.save(p, np.asfortranarray(a), allow_pickle=False)  # same dtype and shape, column-major
+    return target
+
+
+def _npy_header(base: Base, d: Path, descr: str, shape) -> Path:
+    target = npy_copy(base, d)
+    part(target).write_bytes(npy_header_bytes(descr, shape) + b"\0" * 64)
+    return target
+
+
+def _npy_code_header(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d)
+    code = f"__import__('os').open({str(d / MARKER)!r}, 65)"
+    header = "{'descr': '|u1', 'fortran_order': False, 'shape': " + code + ", }"
+    header += " " * (-(len(header) + 11) % 64) + "\n"
+    part(target).write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() + b"\0" * 64)
+    return target
+
+
+def _npy_symlink(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d)
+    p = part(target)
+    outside = d / "outside.npy"
+    shutil.copy(p, outside)  # the right dtype and shape: only where it lives is wrong
+    p.unlink()
+    p.symlink_to(outside)
+    return target
+
+
+def _side_symlink(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d)
+    outside = d / "outside-config.json"
+    shutil.copy(target / "config.json", outside)
+    (target / "config.json").unlink()
+    (target / "config.json").symlink_to(outside)
+    return target
+
+
+def _tier_dir_symlink(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d, True)
+    outside = d / "elsewhere"
+    shutil.move(str(target / "finalized"), outside)
+    (target / "finalized").symlink_to(outside, target_is_directory=True)
+    return target
+
+
+def _long_key(base: Base, d: Path) -> Path:
+    """A tensor whose name (so its key, so its file name) is longer than a file name may be."""
+    target = npy_copy(base, d)
+
+    def edit(m: dict) -> None:
+        name = "output_norm.weight"
+        long = name + "." + "x" * 300
+        entry = m["tensors"].pop(name)
+        entry["key"] = long
+        m["tensors"][long] = entry
+    return manifest_edit(target, edit)
+
+
+def _mlx_config(base: Base, d: Path, quantization: dict) -> Path:
+    """A real MLX 4-bit directory whose config.json's "quantization" says something else."""
+    from squishlike.exporter import export
+
+    target = Path(export(base.hf, "mlx", d / "mlx", quantize=True, q_bits=4, q_group_size=32))
+    config = json.loads((target / "config.json").read_text())
+    config["quantization"].update(quantization)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _fifo(target: Path, where) -> Path:
+    """Replace a file with a named pipe: reading it would block forever."""
+    p = where(target)
+    p.unlink()
+    os.mkfifo(p)
+    return target
+
+
+def _huge(m: dict) -> None:
+    """A passthrough tensor claiming 2**40 elements, its record claiming a file that big: only the file is small."""
+    entry = m["tensors"]["token_embedding.weight"]
+    entry["shape"] = [2**20, 2**20]
+    entry["files"]["pt"]["size"] = 2**42 + 128
+
+
+def _lie(payload: dict, how) -> dict:
+    first = next(iter(payload["files"]))
+    payload["files"][first]["size"] = payload["files"][first]["size"] + how if isinstance(how, int) else how
+    return payload
+
+
+def _ollama_tamper(base: Base, d: Path, fix_digest: bool) -> Path:
+    def fn(root: Path, m: dict) -> None:
+        layer = tensor_layer(m)
+        data = bytearray(ollama_blob(root, layer).read_bytes())
+        if fix_digest:  # a blob whose digest matches, but whose safetensors header lies about its offsets
+            _rewrite_blob(root, layer, st_raw({"x": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}},
+                                              F32x16), True)
+        else:
+            data[-1] ^= 0xFF
+            ollama_blob(root, layer).write_bytes(bytes(data))
+    return ollama_edit(base, d, fn)
+
+
+EVIL_PY = "import pathlib\npathlib.Path(__file__).with_name('PWNED').write_text('ran')\nModel = ModelArgs = None\n"
+
+
+def _model_file(target: Path) -> Path:
+    (target / "evil.py").write_text(EVIL_PY)
+    return target
+
+
+def _npy_model_file(base: Base, d: Path) -> Path:
+    target = npy_copy(base, d)
+    config = json.loads((target / "config.json").read_text())
+    config["model_file"] = "evil.py"
+    raw = json.dumps(config).encode()
+    (target / "config.json").write_bytes(raw)
+    _model_file(target)
+    # keep the manifest's record of config.json true, so only the model_file is hostile
+    manifest_edit(target, lambda m: m["side_files"].update(
+        {"config.json": {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}}))
+    return target
+
+
+def _tokenizer_auto_map(base: Base, d: Path) -> Path:
+    target = hf_with(base, d)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["evil_tok.EvilTokenizer", None]}
+    cfg["tokenizer_class"] = "EvilTokenizer"
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (target / "evil_tok.py").write_text(EVIL_PY + "class EvilTokenizer: pass\n")
+    return target
+
+
+def fill(template: str, target: Path, d: Path, base: Base) -> str:
+    """The text a case's message must contain."""
+    values = {"target": str(target), "case": str(d)}
+    if "{part}" in template:
+        npy = target if target.is_dir() else target.parent
+        values["part"] = str(part(npy))
+    if "{blob}" in template:
+        m = json.loads(target.read_text())
+        values["blob"] = str(ollama_blob(target.parents[4], tensor_layer(m)))
+    return template.format(**values)
+
+
+def build_base(root: Path, tokenizer_dir: Path) -> Base:
+    """The valid models the cases start from (a few seconds, once)."""
+    import squishlike
+    from crash_harness import CRASH_CONFIG, load_in_process
+    from squishlike.exporter import export
+    from tiny_models import make_hf_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    hf = make_hf_model(root / "hf", CRASH_CONFIG, tokenizer_dir)
+    npydir = squishlike.compress(hf, root / "npydir", format="int4", group_size=32, tiers=("int4", "mlx", "finalized"))
+    built = shutil.copytree(npydir, root / "built")
+    _, digest = load_in_process(built)
+    manifest = export(hf, "ollama", root / "ollama", ollama_name="tiny:latest")
+    return Base(hf, npydir, built, root / "ollama", Path(manifest), digest)
+
+
+def write_corpus(base: Base, dest: Path) -> list[Path]:
+    """Every case's crafted file, built under dest/<case name>/ (for fuzz seed corpora and for inspection)."""
+    out = []
+    for case in CASES:
+        d = dest / case.name
+        d.mkdir(parents=True, exist_ok=True)
+        out.append(case.build(base, d))
+    return out
+
+
+__all__ = ["Base", "CASES", "Case", "MARKER", "build_base", "fill", "gguf_raw", "st_raw", "write_corpus"]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,185 @@
+"""Integrity (issue 7): `squishlike verify` checks every checksum and names what is wrong; load checks sizes and
+headers cheaply, and a tier found damaged at load is skipped with a warning and rebuilt from the store.
+
+Load deliberately does not re-hash tier data (that would cost as much as the load): a flipped bit inside a tier's
+data region is `verify`'s to find, and it does (test_verify_names_each_damaged_file).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+from crash_harness import lab_fixture, load_in_process, lying_sentinels, ready_tiers, store_part
+
+from squishlike.errors import FormatError
+from squishlike.info import verify
+from squishlike.tiers import ORDER
+
+lab = lab_fixture()
+
+
+@pytest.fixture
+def built(lab, tmp_path) -> Path:
+    """A copy of the clean build with every tier of its policy built."""
+    return shutil.copytree(lab.root / "reference", tmp_path / "model")
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, by: int = 100) -> None:
+    path.write_bytes(path.read_bytes()[:-by])
+
+
+def set_sentinel(path: Path, **changes) -> None:
+    payload = json.loads(path.read_text())
+    payload.update(changes)
+    path.write_text(json.dumps(payload))
+
+
+def lie_about_size(sentinel: Path) -> None:
+    payload = json.loads(sentinel.read_text())
+    first = next(iter(payload["files"]))
+    payload["files"][first]["size"] += 1
+    sentinel.write_text(json.dumps(payload))
+
+
+def cli(lab, tmp_path, *argv) -> tuple[int, str]:
+    result = tmp_path / "cli.json"
+    r = lab.server.run({"op": "cli", "argv": [str(a) for a in argv], "result": str(result)})
+    out = json.loads(result.read_text())
+    return r["code"], out["stdout"] + out["stderr"]
+
+
+def test_verify_a_clean_model(lab, built, tmp_path):
+    assert verify(built) == []
+    assert ready_tiers(built) == {"int4": True, "int3": False, "mlx": True, "finalized": True}
+    rc, text = cli(lab, tmp_path, "verify", built)
+    assert rc == 0 and text.strip().endswith(f"{built}: OK"), text
+
+
+# (what is damaged, how, the file the report must name, words the report must contain)
+DAMAGE = [
+    ("store part, bit flip", lambda m: flip(m / "tensors/layers.0.ffn.up.weight__q4.npy", -5),
+     "tensors/layers.0.ffn.up.weight__q4.npy", "differs from the recorded checksum"),
+    ("store part, truncated", lambda m: truncate(m / "tensors/layers.0.attention.q.weight__s4.npy"),
+     "tensors/layers.0.attention.q.weight__s4.npy", "size"),
+    ("store part, missing", lambda m: (m / "tensors/output_norm.weight__pt.npy").unlink(),
+     "tensors/output_norm.weight__pt.npy", "missing"),
+    ("side file, bit flip", lambda m: flip(m / "tokenizer.json", 10), "tokenizer.json", "checksum"),
+    ("mlx tier data, bit flip", lambda m: flip(m / "squish_weights.safetensors", -3),
+     "squish_weights.safetensors", "tier mlx"),
+    ("mlx tier, truncated", lambda m: truncate(m / "squish_weights.safetensors"),
+     "squish_weights.safetensors: size differs", "tier mlx"),
+    ("int4 tier weights, bit flip", lambda m: flip(m / "squish_4bit/model.safetensors", -7),
+     "squish_4bit/model.safetensors", "tier int4"),
+    ("int4 tier config, bit flip", lambda m: flip(m / "squish_4bit/config.json", 4),
+     "squish_4bit/config.json", "tier int4"),
+    ("finalized tier file, bit flip", lambda m: flip(m / "finalized/output.weight.npy", -1),
+     "finalized/output.weight.npy", "tier finalized"),
+    ("finalized tier file, missing", lambda m: (m / "finalized/output_norm.weight.npy").unlink(),
+     "output_norm.weight.npy: missing", "tier finalized"),
+    ("sentinel not JSON", lambda m: (m / ".squish_4bit_ready").write_text("{\"format_version\": 1,"),
+     ".squish_4bit_ready", "not JSON"),
+    ("sentinel empty", lambda m: (m / ".squish_ready").write_text(""), ".squish_ready", "does not count"),
+    ("sentinel lies about a size", lambda m: lie_about_size(m / "finalized/.ready"), "finalized/.ready",
+     "size differs"),
+    ("sentinel of another manifest", lambda m: set_sentinel(m / ".squish_ready", manifest_fingerprint="0" * 64),
+     ".squish_ready", "stale"),
+    ("sentinel names a file outside", lambda m: set_sentinel(
+        m / ".squish_ready", files={"../outside.bin": {"size": 3, "sha256": "0"}}), ".squish_ready", "outside"),
+    ("sentinel of an unknown version", lambda m: set_sentinel(m / ".squish_4bit_ready", format_version=99),
+     ".squish_4bit_ready", "version"),
+]
+
+
+@pytest.mark.parametrize("what,damage,names,words", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_verify_names_each_damaged_file(lab, built, tmp_path, what, damage, names, words):
+    damage(built)
+    problems = verify(built)
+    assert len(problems) == 1, problems
+    assert names in problems[0] and words in problems[0], problems
+    assert str(built) in problems[0]
+    rc, text = cli(lab, tmp_path, "verify", built)
+    assert rc == 1 and names in text and "1 problem" in text, text
+
+
+def test_verify_a_damaged_manifest_is_a_typed_error(lab, built, tmp_path):
+    (built / "manifest.json").write_text('{"format": "squishlike-npy-dir", "tensors": ')
+    with pytest.raises(FormatError, match="manifest.json"):
+        verify(built)
+    rc, text = cli(lab, tmp_path, "verify", built)
+    assert rc != 0 and "manifest.json" in text
+
+
+def _make_first(model: Path, tier_name: str) -> None:
+    """Unready every tier before `tier_name` in the decision order, so the load reaches it."""
+    for tier in ORDER:
+        if tier.name == tier_name:
+            return
+        (model / tier.sentinel).unlink(missing_ok=True)
+
+
+# (tier, how its files are damaged, words of the warning)
+AT_LOAD = [
+    ("int4", lambda m: flip(m / "squish_4bit/model.safetensors", 20), "unreadable"),  # header bytes
+    ("int4", lambda m: truncate(m / "squish_4bit/model.safetensors"), "size differs"),
+    ("int4", lambda m: flip(m / "squish_4bit/config.json", 2), "unreadable"),
+    ("mlx", lambda m: flip(m / "squish_weights.safetensors", 30), "unreadable"),
+    ("mlx", lambda m: (m / "squish_weights.safetensors").unlink(), "missing"),
+    ("finalized", lambda m: flip(m / "finalized/layers.0.ffn.up.weight.npy", 9), "unreadable"),
+    ("finalized", lambda m: truncate(m / "finalized/token_embedding.weight.npy", 7), "size differs"),
+]
+
+
+@pytest.mark.parametrize("tier,damage,words", AT_LOAD, ids=[f"{t}-{w}-{i}" for i, (t, _, w) in enumerate(AT_LOAD)])
+def test_damaged_tier_is_skipped_with_a_warning_and_rebuilt(lab, built, tier, damage, words):
+    _make_first(built, tier)
+    damage(built)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        served, digest = load_in_process(built)
+    messages = [str(w.message) for w in caught if f"tier {tier}" in str(w.message)]
+    assert messages and words in messages[0] and str(built) in messages[0], [str(w.message) for w in caught]
+    assert served == "cold" and digest == lab.weights  # never the damaged tier's weights
+    # Rebuilt from the store: every tier of the policy is ready again and every checksum verifies.
+    assert {k for k, v in ready_tiers(built).items() if v} == lab.built
+    assert verify(built) == [] and not lying_sentinels(built) and store_part(built) == lab.store_digest
+    served, digest = load_in_process(built)
+    assert served == "int4" and digest == lab.weights
+
+
+def test_load_reads_no_tier_whose_size_is_wrong(lab, built):
+    """Sizes are checked before a tier is used: a tier file one byte longer (appended garbage) is not loaded."""
+    with open(built / "squish_4bit/model.safetensors", "ab") as f:
+        f.write(b"\0")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        served, digest = load_in_process(built)
+    assert served == "cold" and digest == lab.weights
+
+
+def test_damaged_store_part_fails_with_a_typed_error_naming_it(lab, tmp_path):
+    """The cold path checks each part's .npy header against the role the manifest gives it."""
+    model = shutil.copytree(lab.pristine, tmp_path / "model")
+    part = model / "tensors/layers.0.ffn.down.weight__q4.npy"
+    data = bytearray(part.read_bytes())
+    data[:6] = b"\x93NUMPX"  # not a .npy any more
+    part.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="layers.0.ffn.down.weight__q4.npy"):
+        load_in_process(model)
+    assert not any(ready_tiers(model).values())  # nothing was built from it
+
+
+def test_damaged_side_file_fails_with_a_typed_error(lab, built):
+    (built / "tokenizer.json").write_bytes(b"\xff\xfe not a tokenizer")
+    with pytest.raises(FormatError, match=str(built)):
+        load_in_process(built)
+    assert any("tokenizer.json" in p for p in verify(built))
