@@ -32,7 +32,7 @@ def run_demo(workdir: Path, repeats: int = 3) -> list[dict]:
         walls = [r["wall_s"] for r in runs]
         rows.append({"what": label, "median_s": statistics.median(walls), "min_s": min(walls), "runs": n,
                      "rss_mb": max(r["rss_peak_bytes"] for r in runs) / 1e6})
-        print(f"  {label:44} {statistics.median(walls):7.2f} s")
+        print(f"  {label:52} {statistics.median(walls):7.2f} s")
 
     print("load times, each a fresh process (interpreter + imports + load + eval):")
     timed("mlx_lm.load (MLX bf16 dir)", baseline, loader="mlx_lm")
@@ -46,10 +46,10 @@ def run_demo(workdir: Path, repeats: int = 3) -> list[dict]:
             timed(f"squishlike {fmt}: tier {tier}", store, tier=tier)
 
     base = rows[0]["median_s"]
-    print(f"\n| {'load':44} | median s | min s | vs mlx_lm.load | peak RSS MB |")
-    print(f"|{'-' * 46}|---------:|------:|---------------:|------------:|")
+    print(f"\n| {'load':52} | median s | min s | vs mlx_lm.load | peak RSS MB |")
+    print(f"|{'-' * 54}|---------:|------:|---------------:|------------:|")
     for r in rows:
-        print(f"| {r['what']:44} | {r['median_s']:8.2f} | {r['min_s']:5.2f} | {base / r['median_s']:13.2f}x "
+        print(f"| {r['what']:52} | {r['median_s']:8.2f} | {r['min_s']:5.2f} | {base / r['median_s']:13.2f}x "
               f"| {r['rss_mb']:11.0f} |")
 
     from mlx_lm import generate

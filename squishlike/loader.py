@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_adapters, load_config
 
+from .errors import FormatError, SquishError
 from .formats.npydir import NpyDir
 from .hub import resolve_local
 from .model import build_model, build_tokenizer
@@ -44,7 +45,9 @@ def load(
         loaded = load_weights(store, tier)
         weights, config = loaded.weights, loaded.config
         side_files = store.path
-        model, tokenizer = _assemble(config, weights, side_files, tokenizer_config, model_config, lazy, trust_remote_code)
+        model, tokenizer = _assemble(
+            config, weights, side_files, tokenizer_config, model_config, lazy, trust_remote_code, source=store.path
+        )
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")
@@ -54,7 +57,8 @@ def load(
                 provider.write_side_files(Path(side_files))
                 config = load_config(Path(side_files))
                 model, tokenizer = _assemble(
-                    config, weights, Path(side_files), tokenizer_config, model_config, lazy, trust_remote_code
+                    config, weights, Path(side_files), tokenizer_config, model_config, lazy, trust_remote_code,
+                    source=provider.reader.path,
                 )
     if adapter_path is not None:
         model = load_adapters(model, adapter_path)
@@ -62,9 +66,23 @@ def load(
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
-def _assemble(config, weights, side_files, tokenizer_config, model_config, lazy, trust_remote_code):
+def _assemble(config, weights, side_files, tokenizer_config, model_config, lazy, trust_remote_code, source):
+    """`source`: the model the user named (errors name it, and a trusted `model_file` is looked up beside it)."""
     if model_config:
         config.update(model_config)
-    model = build_model(config, weights, lazy=lazy, model_dir=side_files, trust_remote_code=trust_remote_code)
-    tokenizer = build_tokenizer(side_files, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    model_dir = Path(source) if Path(source).is_dir() else side_files
+    try:
+        model = build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code)
+    except SquishError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:
+        # mlx_lm's own complaint (a weight of the wrong shape, a config it cannot build), with the model's name
+        raise FormatError(source, f"config and weights do not make a {config.get('model_type')} model: {e}") from e
+    try:
+        # trust_remote_code passed explicitly: transformers would otherwise *ask* on a terminal whether to run a
+        # tokenizer_config.json's custom code (auto_map); the answer is the caller's, and it defaults to no.
+        tokenizer = build_tokenizer(side_files, {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})},
+                                    eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        raise FormatError(source, f"cannot load its tokenizer files: {type(e).__name__}: {e}") from e
     return model, tokenizer

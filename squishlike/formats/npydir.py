@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -20,11 +21,10 @@ from urllib.parse import quote, unquote
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.utils import load_config
 
 from .. import quant
 from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
-from ..errors import FormatError, MissingTensorError
+from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from ..storage import read_json
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 TENSORS = "tensors"
 
 _KEY = re.compile(r"[A-Za-z0-9_.%-]+")
+_READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
 
 
 def encode_key(name: str) -> str:
@@ -46,6 +47,39 @@ def decode_key(key: str) -> str:
     if not _KEY.fullmatch(key) or key.startswith("."):
         raise ValueError(f"not a valid tensor key: {key!r}")
     return unquote(key)
+
+
+def load_config(directory: Path) -> dict:
+    """mlx_lm.utils.load_config, without importing mlx_lm.utils (which imports transformers, ~1 s) unless the
+    config holds one of the tagged floats ({"__float__": "NaN"}) only mlx_lm decodes: then mlx_lm reads it."""
+    import json
+
+    directory = Path(directory)
+    with open(directory / "config.json") as f:
+        config = json.load(f)
+    if _has_tagged_float(config):
+        from mlx_lm.utils import load_config as mlx_lm_load_config
+
+        return mlx_lm_load_config(directory)
+    generation_file = directory / "generation_config.json"
+    if generation_file.exists():
+        generation = {}
+        try:
+            with open(generation_file) as f:
+                generation = json.load(f)
+        except json.JSONDecodeError:
+            pass
+        if eos := generation.get("eos_token_id", False):
+            config["eos_token_id"] = eos
+    return config
+
+
+def _has_tagged_float(obj) -> bool:
+    if isinstance(obj, dict):
+        return "__float__" in obj or any(_has_tagged_float(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_tagged_float(v) for v in obj)
+    return False
 
 
 @dataclass(frozen=True)
@@ -84,6 +118,19 @@ def rows_cols(shape: list[int] | tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
+def _is_size(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _part_spec(entry: dict, part: Part) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape a part must have, from its manifest entry."""
+    rows, cols = rows_cols(entry["shape"])
+    if part.dtype == "stored":
+        return np.dtype(NP_STORAGE[entry["stored_dtype"]]), tuple(entry["shape"])
+    dtype = NP_STORAGE[entry["scale_dtype"]] if part.dtype == "scale" else part.dtype
+    return np.dtype(dtype), part.shape(rows, cols, entry.get("group_size", 0))
+
+
 class NpyDir:
     """An opened npy-dir: its manifest, and typed, validated access to the stored parts."""
 
@@ -118,8 +165,16 @@ class NpyDir:
         tensors = m.get("tensors")
         if not isinstance(tensors, dict):
             raise FormatError(manifest_path, "has no tensor table")
+        self._validate_side_files(manifest_path)
         for name, entry in tensors.items():
             try:
+                if not isinstance(entry, dict):
+                    raise TypeError("not a JSON object")
+                shape = entry["shape"]
+                if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+                    raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+                if entry["scheme"] in ("int4", "int3") and entry["scale_dtype"] not in NP_STORAGE:
+                    raise ValueError(f"unknown scale_dtype {entry['scale_dtype']!r}")
                 if decode_key(entry["key"]) != name:
                     raise ValueError(f"key {entry['key']!r} does not decode to its name")
                 if entry["scheme"] not in SCHEMES:
@@ -132,8 +187,42 @@ class NpyDir:
                     raise ValueError(f"unknown stored_dtype {entry['stored_dtype']!r}")
                 if set(entry["files"]) != {p.suffix for p in SCHEMES[entry["scheme"]]}:
                     raise ValueError("file list does not match its scheme")
-            except (KeyError, TypeError, ValueError) as e:
+                for p in SCHEMES[entry["scheme"]]:  # a shape no file could hold is refused before any allocation
+                    dtype, part_shape = _part_spec(entry, p)
+                    size = entry["files"][p.suffix]["size"]
+                    if not _is_size(size) or size < math.prod(part_shape) * np.dtype(dtype).itemsize:
+                        raise ValueError(f"part {p.suffix}: {size!r} bytes cannot hold {np.dtype(dtype)}{part_shape}")
+            except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
                 raise FormatError(manifest_path, f"tensor {name!r}: bad entry ({e})") from None
+        from ..arch import architecture_for  # noqa: PLC0415 - the arch tables import lazily
+
+        try:
+            arch = architecture_for(m.get("model_type"))
+        except UnsupportedArchitectureError as e:
+            raise UnsupportedArchitectureError(f"{manifest_path}: {e}") from None
+        for name in tensors:
+            try:
+                arch.mlx_name(name)
+            except KeyError:
+                raise FormatError(manifest_path, f"tensor {name!r} is not a tensor of {m['model_type']}") from None
+
+    def _validate_side_files(self, manifest_path: Path) -> None:
+        """Side files are plain file names inside the directory, never links that lead out of it."""
+        side = self.manifest.get("side_files", {})
+        if not isinstance(side, dict):
+            raise FormatError(manifest_path, "side_files is not a table of file names")
+        root = self.path.resolve()
+        for rel in [*side, "config.json"]:
+            if not isinstance(rel, str) or Path(rel).name != rel or rel in (".", ".."):
+                raise FormatError(manifest_path, f"side file {rel!r} is not a plain file name in {self.path}")
+            p = self.path / rel
+            try:
+                if p.is_symlink() and root not in p.resolve().parents:
+                    raise FormatError(p, f"is a symbolic link out of {self.path}")
+                if p.exists() and not p.is_file():  # a FIFO or a device would block or never end when read
+                    raise FormatError(p, "is not a regular file")
+            except (OSError, RuntimeError) as e:  # a name too long for the filesystem, a symlink loop
+                raise FormatError(manifest_path, f"side file {rel!r}: unusable ({e})") from None
 
     # -- manifest views
 
@@ -161,7 +250,31 @@ class NpyDir:
     # -- parts
 
     def part_path(self, name: str, suffix: str) -> Path:
-        return self.path / TENSORS / f"{self.entry(name)['key']}__{suffix}.npy"
+        path = self.path / TENSORS / f"{self.entry(name)['key']}__{suffix}.npy"
+        try:
+            if path.is_symlink() or path.parent.is_symlink():  # squishlike writes none: a link can only lead out
+                raise FormatError(path, f"is a symbolic link; a stored part must be a file inside {self.path}")
+            if path.exists() and not path.is_file():  # a FIFO or a device would block or never end when read
+                raise FormatError(path, "is not a regular file")
+        except OSError as e:  # a key too long for the filesystem
+            raise FormatError(path, f"unusable file name ({e.strerror})") from None
+        return path
+
+    def check_part_sizes(self) -> None:
+        """Every stored part is a regular file big enough for the data its manifest entry claims: call before
+        allocating anything from the manifest's shapes, so a hostile manifest cannot ask for terabytes."""
+        for name, entry in self.entries.items():
+            for p in SCHEMES[entry["scheme"]]:
+                path = self.part_path(name, p.suffix)
+                dtype, shape = _part_spec(entry, p)
+                try:
+                    size = path.stat().st_size if path.is_file() else -1
+                except OSError:
+                    size = -1
+                if size < 0:
+                    raise FormatError(path, "missing (or not a regular file)")
+                if size < math.prod(shape) * dtype.itemsize:
+                    raise FormatError(path, f"is {size} bytes, too small for {dtype}{list(shape)}")
 
     def part_files(self) -> dict[str, dict]:
         """Every store file, relative to the npy-dir, with its recorded size and checksum."""
@@ -178,8 +291,8 @@ class NpyDir:
         path = self.part_path(name, suffix)
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise FormatError(path, f"unreadable .npy ({e})") from None
+        except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
+            raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
         rows, cols = rows_cols(entry["shape"])
         if part.dtype == "stored":
             dtype, shape = NP_STORAGE[entry["stored_dtype"]], tuple(entry["shape"])
@@ -190,7 +303,45 @@ class NpyDir:
             raise FormatError(
                 path, f"holds {array.dtype}{list(array.shape)}, its role needs {np.dtype(dtype)}{list(shape)}"
             )
+        if not array.flags.c_contiguous:
+            raise FormatError(path, "is stored in Fortran (column-major) order; squishlike writes C order")
         return array
+
+    def read_part_into(self, name: str, suffix: str, out: np.ndarray) -> None:
+        """Read one stored part into `out` (C-contiguous, of the part's dtype and size) with pread, checked as
+        load_part checks it. For big passthrough tensors: the bytes land once, in the buffer that keeps them."""
+        entry = self.entry(name)
+        part = next(p for p in SCHEMES[entry["scheme"]] if p.suffix == suffix)
+        path = self.part_path(name, suffix)
+        rows, cols = rows_cols(entry["shape"])
+        if part.dtype == "stored":
+            dtype, shape = np.dtype(NP_STORAGE[entry["stored_dtype"]]), tuple(entry["shape"])
+        else:
+            dtype = np.dtype(NP_STORAGE[entry["scale_dtype"]] if part.dtype == "scale" else part.dtype)
+            shape = part.shape(rows, cols, entry.get("group_size", 0))
+        if out.dtype != dtype or out.size != math.prod(shape) or not out.flags.c_contiguous:
+            raise ValueError(f"out is {out.dtype}{list(out.shape)}; {name}:{suffix} needs {dtype}{list(shape)}")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    got_shape, fortran, got_dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    got_shape, fortran, got_dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f"npy format version {version} not supported")
+                if got_dtype != dtype or tuple(got_shape) != shape or (fortran and len(shape) > 1):
+                    raise FormatError(path, f"holds {got_dtype}{list(got_shape)}, its role needs {dtype}{list(shape)}")
+                offset, view, done = f.tell(), memoryview(out.reshape(-1).view(np.uint8)), 0
+                while done < len(view):
+                    n = os.preadv(f.fileno(), [view[done:done + _READ_CHUNK]], offset + done)
+                    if n == 0:
+                        raise FormatError(path, f"ends after {done} of {len(view)} data bytes")
+                    done += n
+        except FormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
+            raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
 
     def dequantize(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
         """The tensor in the runtime dtype (bf16 as raw uint16), computed by the Rust kernels."""
@@ -198,6 +349,10 @@ class NpyDir:
         dtype = self.runtime_dtype
         scheme = entry["scheme"]
         if scheme == "passthrough":
+            if out is not None and entry["stored_dtype"] == dtype and out.flags.c_contiguous:
+                # Straight from the file into the caller's buffer: no memory map, no intermediate copy.
+                self.read_part_into(name, "pt", out)
+                return out
             stored = self.load_part(name, "pt")
             if entry["stored_dtype"] == dtype:
                 result = stored

@@ -5,20 +5,30 @@ Adding a tier means adding a module with a `Tier` subclass and one entry in ORDE
 Cold path: dequantize `tensors/` with the Rust kernels, then, holding the directory lock, build every tier the
 manifest's policy asks for, so the next process takes a fast path. A process that waited on the lock re-checks
 the tiers first and loads the one its predecessor built instead of building it again.
+
+The cold path allocates the model's final MLX arrays first (in huge pages, tiers/fastmem.py) and has the Rust
+kernels dequantize straight into them, several tensors at a time; the tier builds then stream those same buffers
+to disk. One copy of the model in memory, written once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
+import mlx.core as mx
 import numpy as np
 
-from ..dtypes import to_mx
+from ..dtypes import NP_STORAGE
 from ..errors import FormatError, TierNotReadyError
 from ..formats.npydir import NpyDir
-from ..storage import DirectoryLock, remove_stale_temps
+from ..storage import DirectoryLock, remove_stale_temps, sentinel_says_damaged
 from .base import Loaded, Tier, mlx_names
+from .fastmem import cpu_streams, huge_page_arena
 from .finalized import FinalizedTier
 from .mlx import MlxTier
 from .quantized import Int3Tier, Int4Tier
@@ -39,49 +49,112 @@ def tier_status(store: NpyDir) -> dict[str, str]:
     return status
 
 
-def load_weights(store: NpyDir, tier: str | None = None) -> Loaded:
-    """Weights for the model, from the forced `tier` or the first ready one; cold (and build) when none is."""
+def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> Loaded:
+    """Weights for the model, from the forced `tier` or the first ready one; cold (and build) when none is.
+
+    `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
+    computes them."""
     if tier is not None:
-        return _load_forced(store, tier)
-    loaded = _first_ready(store)
+        return _load_forced(store, tier, lazy)
+    damaged: list[str] = []
+    loaded = _first_ready(store, lazy, damaged)
     if loaded is not None:
         return loaded
-    return _cold_and_build(store)
+    # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
+    return _cold_and_build(store, lazy, recheck=not damaged)
 
 
-def _load_forced(store: NpyDir, tier: str) -> Loaded:
+def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
     if tier == "cold":
         return _cold(store)[0]
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
     payload, why = BY_NAME[tier].ready(store)
     if payload is None:
-        raise TierNotReadyError(f"{store.path}: tier {tier!r} is not ready ({why})")
-    return BY_NAME[tier].load(store)
+        raise TierNotReadyError(f"{store.path / BY_NAME[tier].sentinel}: tier {tier!r} is not ready ({why})")
+    return BY_NAME[tier].load(store, lazy=lazy)
 
 
-def _first_ready(store: NpyDir) -> Loaded | None:
+def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None) -> Loaded | None:
+    """The first ready tier's weights. With `damaged`, stop at the first tier whose files are damaged (missing,
+    wrong size, unreadable header), name it there and return None, so the caller rebuilds it."""
     for tier in ORDER:
-        payload, _ = tier.ready(store)
+        payload, why = tier.ready(store)
         if payload is None:
+            if damaged is not None and sentinel_says_damaged(why) and tier.wanted(store):
+                warnings.warn(f"{store.path / tier.sentinel}: tier {tier.name} is damaged ({why}); "
+                              "skipping it and rebuilding it from the store")
+                with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
+                    tier.invalidate(store)
+                damaged.append(tier.name)
+                return None
             continue
         try:
-            return tier.load(store)
+            return tier.load(store, lazy=lazy)
         except (FormatError, OSError, ValueError, RuntimeError) as e:
             # A tier that passed its cheap checks but fails to load is corrupt: skip it; the cold path rebuilds it.
             warnings.warn(f"{store.path}: tier {tier.name} is unreadable ({e}); skipping it and rebuilding")
-            tier.invalidate(store)
+            with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
+                tier.invalidate(store)
+            if damaged is not None:
+                damaged.append(tier.name)
+                return None
     return None
 
 
+_MX_STORAGE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.uint16}
+
+
 def _cold(store: NpyDir) -> tuple[Loaded, dict[str, np.ndarray]]:
-    dense = {name: store.dequantize(name) for name in store.entries}
+    """(weights dequantized from the store, the same memory as NumPy arrays by canonical name for the builds)."""
+    dtype = store.runtime_dtype
+    store.check_part_sizes()  # before allocating from the manifest's shapes
+    buffers, dense = _allocate(store)
+    _dequantize_all(store, dense)
     names = mlx_names(store)
-    weights = {names[n]: to_mx(a, store.runtime_dtype) for n, a in dense.items()}
+    if dtype == "bfloat16":
+        weights = {names[n]: b.view(mx.bfloat16) for n, b in buffers.items()}
+    else:
+        weights = {names[n]: b for n, b in buffers.items()}
     return Loaded(weights, store.config(), "cold"), dense
 
 
-def _cold_and_build(store: NpyDir) -> Loaded:
+def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
+    """The model's final arrays (runtime dtype, bf16 as uint16), allocated by MLX in huge pages, and writable
+    NumPy views of them for the kernels to dequantize into."""
+    dtype = store.runtime_dtype
+    itemsize = np.dtype(NP_STORAGE[dtype]).itemsize
+    streams = cpu_streams()
+    loads = [0] * len(streams)
+    buffers: dict[str, mx.array] = {}
+    for name in sorted(store.entries, key=lambda n: -math.prod(store.entries[n]["shape"])):
+        i = loads.index(min(loads))  # the zero-fill that faults the pages in runs on every core
+        shape = store.entries[name]["shape"]
+        buffers[name] = mx.zeros(shape, dtype=_MX_STORAGE[dtype], stream=streams[i])
+        loads[i] += math.prod(shape) * itemsize
+    buffers = {name: buffers[name] for name in store.entries}
+    with huge_page_arena(sum(loads)):
+        mx.eval(list(buffers.values()))
+    dense = {name: np.asarray(b) for name, b in buffers.items()}
+    if all(a.flags.writeable and a.flags.c_contiguous for a in dense.values()):
+        return buffers, dense
+    # An MLX that does not lend its memory out writable: dequantize into NumPy, then copy into MLX.
+    dense = {name: np.empty(store.entries[name]["shape"], NP_STORAGE[dtype]) for name in store.entries}
+    _dequantize_all(store, dense)
+    buffers = {name: mx.array(a) for name, a in dense.items()}
+    return buffers, {name: np.asarray(b) for name, b in buffers.items()}
+
+
+def _dequantize_all(store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+    """store.dequantize(name, out=dense[name]) for every tensor, largest first, a few at a time: the Rust kernels
+    and the reads release the GIL, so passthrough copies overlap dequantization."""
+    order = sorted(dense, key=lambda n: -dense[n].size)
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="squishlike-cold") as pool:
+        for future in [pool.submit(store.dequantize, name, dense[name]) for name in order]:
+            future.result()
+
+
+def _cold_and_build(store: NpyDir, lazy: bool = False, recheck: bool = True) -> Loaded:
     lock = DirectoryLock(store.path)
     try:
         lock.acquire()
@@ -89,7 +162,7 @@ def _cold_and_build(store: NpyDir) -> Loaded:
         log.warning("%s: cannot lock (%s); loading from the store without building caches", store.path, e)
         return _cold(store)[0]
     try:
-        loaded = _first_ready(store)  # built by the process we waited for?
+        loaded = _first_ready(store, lazy) if recheck else None  # built by the process we waited for?
         if loaded is not None:
             return loaded
         remove_stale_temps(store.path)

@@ -33,7 +33,10 @@ class Tier(ABC):
         return self.name in store.manifest.get("policy", {}).get("tiers", [])
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
-        return read_sentinel(store.path / self.sentinel, store.fingerprint)
+        sentinel = store.path / self.sentinel
+        if sentinel.parent != store.path and sentinel.parent.is_symlink():  # a tier directory leading elsewhere
+            return None, f"{sentinel.parent.name} is a symbolic link out of the directory"
+        return read_sentinel(sentinel, store.fingerprint)
 
     def invalidate(self, store: NpyDir) -> None:
         """Remove the sentinel first, so the tier never counts as ready while its files are being replaced."""
@@ -41,7 +44,8 @@ class Tier(ABC):
             (store.path / self.sentinel).unlink()
 
     @abstractmethod
-    def load(self, store: NpyDir) -> Loaded: ...
+    def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
+        """The tier's weights, evaluated (in memory) unless `lazy`, as mlx_lm.load(lazy=...) leaves them."""
 
     @abstractmethod
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:

@@ -1,46 +1,66 @@
 """Tier `finalized`: one `.npy` per tensor in the runtime dtype under `finalized/`, sentinel `finalized/.ready`.
 
 Memory-mappable and readable by anything that reads NumPy; the sentinel sits inside the directory, so the
-directory and its "ready" mark appear together in one rename.
+directory and its "ready" mark appear together in one rename. Loaded with `mx.load` of each file (it reads .npy
+natively), spread over the CPU streams into huge-page memory (tiers/fastmem.py), not through NumPy: a memory map
+copied by `mx.array` would fault every page twice.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 
+import mlx.core as mx
 import numpy as np
 
-from ..dtypes import NP_STORAGE, to_mx
+from ..dtypes import MX_DTYPES, NP_STORAGE
 from ..errors import FormatError
 from ..formats.npydir import NpyDir
-from ..storage import make_temp_dir, publish_dir, write_npy, write_sentinel
+from ..storage import make_temp_dir, publish_dir, write_npy_stream, write_sentinel
 from .base import Loaded, Tier, mlx_names
+from .fastmem import load_each
 
 DIRECTORY = "finalized"
+_MX_STORAGE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.uint16}
 
 
 class FinalizedTier(Tier):
     name = "finalized"
     sentinel = f"{DIRECTORY}/.ready"
 
-    def load(self, store: NpyDir) -> Loaded:
+    def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         names = mlx_names(store)
         dtype = store.runtime_dtype
-        weights = {}
-        for name, entry in store.entries.items():
+        itemsize = np.dtype(NP_STORAGE[dtype]).itemsize
+
+        def opener(entry: dict):
             path = store.path / DIRECTORY / f"{entry['key']}.npy"
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-            if array.dtype != NP_STORAGE[dtype] or list(array.shape) != entry["shape"]:
-                raise FormatError(path, f"holds {array.dtype}{list(array.shape)}, expected {dtype}{entry['shape']}")
-            weights[names[name]] = to_mx(array, dtype)
-        return Loaded(weights, store.config(), self.name)
+
+            def open_on(stream: mx.Stream) -> mx.array:
+                try:
+                    array = mx.load(str(path), format="npy", stream=stream)
+                except (RuntimeError, ValueError, OSError) as e:
+                    raise FormatError(path, f"unreadable .npy ({e})") from None
+                if array.dtype != _MX_STORAGE[dtype] or list(array.shape) != entry["shape"]:
+                    raise FormatError(
+                        path, f"holds {array.dtype}{list(array.shape)}, expected {dtype}{entry['shape']}")
+                return mx.view(array, MX_DTYPES[dtype], stream=stream) if dtype == "bfloat16" else array
+
+            return math.prod(entry["shape"]) * itemsize, open_on
+
+        loaded = load_each({names[n]: opener(e) for n, e in store.entries.items()}, lazy=lazy)
+        return Loaded(loaded, store.config(), self.name)
 
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
         self.invalidate(store)
         final = store.path / DIRECTORY
         tmp = make_temp_dir(final)
         try:
-            files = {f"{store.entries[n]['key']}.npy": write_npy(tmp / f"{store.entries[n]['key']}.npy", a) for n, a in dense.items()}
+            files = {
+                f"{store.entries[n]['key']}.npy": write_npy_stream(tmp / f"{store.entries[n]['key']}.npy", a, atomic=False)
+                for n, a in dense.items()
+            }
             write_sentinel(tmp / ".ready", manifest_fingerprint=store.fingerprint, files=files, tier=self.name)
             publish_dir(tmp, final)
         except BaseException:

@@ -4,23 +4,22 @@ Built by a lossless repack of the store: the INT4 nibbles reinterpret as MLX's u
 MLX's own bitstream already, and scales/offsets are kept in the runtime dtype, so `mx.dequantize` of this tier
 equals the cold tier's Rust dequantization bit for bit. Tensors stored any other way go in dense. The directory
 is a complete mlx_lm model (config.json with "quantization", tokenizer files): `mlx_lm.load` opens it too.
+
+The repack is a byte copy: the store's parts (memory-mapped) and the cold path's dense buffers are streamed into
+one safetensors file as they are, checksummed while written.
 """
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-from ..dtypes import to_mx
-from ..formats.npydir import NpyDir
-from mlx_lm.utils import load_config
-
+from ..formats.npydir import SCHEMES, NpyDir, load_config
+from ..quant import int4_to_mlx
 from ..storage import file_record, make_temp_dir, publish_dir, write_json, write_sentinel
 from .base import Loaded, Tier, mlx_names
-from .mlx import save_safetensors
+from .mlx import load_safetensors, write_safetensors
 
 WEIGHTS = "model.safetensors"
 
@@ -33,25 +32,28 @@ class QuantizedTier(Tier):
     def wanted(self, store: NpyDir) -> bool:
         return super().wanted(store) and self.scheme in store.schemes()
 
-    def load(self, store: NpyDir) -> Loaded:
+    def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         root = store.path / self.directory
-        return Loaded(mx.load(str(root / WEIGHTS)), load_config(root), self.name)
+        return Loaded(load_safetensors(root / WEIGHTS, lazy=lazy), load_config(root), self.name)
 
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
         self.invalidate(store)
         names = mlx_names(store)
-        arrays: dict[str, mx.array] = {}
+        tensors = []
         group_sizes = set()
         for name, entry in store.entries.items():
             if entry["scheme"] == self.scheme:
-                triple = store.quantized(name)
+                q, s, z = (store.load_part(name, p.suffix) for p in SCHEMES[self.scheme])
+                words = int4_to_mlx(q) if self.scheme == "int4" else q  # zero-copy views of the store's bytes
+                lead = list(entry["shape"][:-1])
                 prefix = names[name].removesuffix(".weight")
-                arrays[f"{prefix}.weight"] = triple.weight
-                arrays[f"{prefix}.scales"] = triple.scales
-                arrays[f"{prefix}.biases"] = triple.biases
-                group_sizes.add(triple.group_size)
+                sd = entry["scale_dtype"]
+                tensors.append((f"{prefix}.weight", "uint32", [*lead, words.shape[-1]], words))
+                tensors.append((f"{prefix}.scales", sd, [*lead, s.shape[-1]], s))
+                tensors.append((f"{prefix}.biases", sd, [*lead, z.shape[-1]], z))
+                group_sizes.add(entry["group_size"])
             else:
-                arrays[names[name]] = to_mx(dense[name], store.runtime_dtype)
+                tensors.append((names[name], store.runtime_dtype, entry["shape"], dense[name]))
 
         config = store.config()
         # mlx_lm infers each layer's own group size from its scales' shape; the top level names the common one.
@@ -61,7 +63,8 @@ class QuantizedTier(Tier):
         final = store.path / self.directory
         tmp = make_temp_dir(final)
         try:
-            files = {f"{self.directory}/{WEIGHTS}": save_safetensors(tmp / WEIGHTS, arrays)}
+            files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors)}
+            del tensors  # the store's memory maps
             files[f"{self.directory}/config.json"] = write_json(tmp / "config.json", config)
             for rel in store.manifest.get("side_files", {}):
                 if rel != "config.json":

@@ -1,0 +1,282 @@
+"""Getting weight bytes into MLX's memory fast: huge pages for fresh memory, and reads spread over CPU streams.
+
+Why (SPEC §7, measured on the 2-core VM this project is benchmarked on): the floor of a warm load is not the copy
+from the page cache but the first touch of fresh memory. `mx.load` preads into buffers that MLX's CPU allocator
+takes from glibc `malloc`, and glibc serves every large request with a fresh `mmap` in 4 KiB pages: one page
+fault per 4 KiB, ~0.4-1.5 GB/s here. The same bytes land several times faster in transparent huge pages (THP
+mode is `madvise` on these machines), but MLX never asks for them, and `mx.array` cannot wrap memory we allocate.
+
+So `huge_page_arena(n)` makes glibc's own allocator hand out huge-page memory for a while: it stops `malloc` from
+using `mmap` (M_MMAP_MAX=0, so large requests come from the main heap), grows the heap by `n` bytes in one block,
+marks that block MADV_HUGEPAGE and frees it again (a small guard allocation right behind it keeps glibc from
+trimming it back to the kernel). Every array MLX allocates on the calling thread meanwhile is carved from that
+block, and its pages fault in 2 MiB at a time. On exit M_MMAP_MAX is restored and the unused tail of the block
+is returned. Nothing here changes any value: it only decides which pages the bytes land in. Where it cannot work
+(not Linux/glibc, THP disabled, SQUISHLIKE_HUGEPAGES=0) it does nothing.
+
+`load_parallel` evaluates lazily loaded arrays (`mx.load` of .safetensors or .npy) spread over one CPU stream per
+core, so the preads and page faults of different tensors run side by side instead of one after another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import cache
+
+import mlx.core as mx
+
+HUGE_PAGE = 2 << 20
+MIN_ARENA = 64 << 20  # below this the page-fault cost is small enough not to bother
+_M_MMAP_MAX = -4  # mallopt parameter
+_DEFAULT_MMAP_MAX = 65536  # glibc's default for M_MMAP_MAX
+_MADV_HUGEPAGE = 14
+_GUARD = 4 << 20  # guard allocation: too big for any small-bin chunk, so it is carved right behind the block
+_lock = threading.Lock()
+
+
+@cache
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux") or os.environ.get("SQUISHLIKE_HUGEPAGES", "1") == "0":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.gnu_get_libc_version  # glibc only: musl's malloc has no mallopt knobs worth this
+    except (OSError, AttributeError):
+        return None
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    if "[never]" in mode:
+        return None
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free.restype = None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return libc
+
+
+@contextlib.contextmanager
+def huge_page_arena(nbytes: int) -> Iterator[bool]:
+    """While inside, large `malloc`s of this thread (MLX's CPU buffers) come from `nbytes` of memory that is
+    already faulted in, in huge pages where the machine gives them fast (see _populate).
+
+    Yields whether the arena is in place. Safe to nest (the inner one does nothing) and to use from any thread,
+    but only allocations made by the main heap's users benefit; others behave exactly as before.
+    """
+    libc = _glibc()
+    if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
+        yield False
+        return
+    guards: list[int] = []
+    try:
+        libc.mallopt(_M_MMAP_MAX, 0)
+        size = nbytes + (nbytes >> 6) + 2 * HUGE_PAGE  # headers and alignment of a few hundred arrays, and slack
+        block = libc.malloc(size)
+        in_place = False
+        if block:
+            chunk = ctypes.c_size_t.from_address(block - 8).value & ~7  # glibc's chunk header: size | flags
+            # A guard allocation right behind the block keeps the freed block a free chunk of the heap (not merged
+            # into the top chunk, which glibc trims): the next allocations are carved from it, in order.
+            for _ in range(8):
+                guards.append(libc.malloc(_GUARD))
+                if guards[-1] == block + chunk:
+                    in_place = True
+                    break
+            if in_place:
+                start = (block + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+                end = (block + size) & ~(HUGE_PAGE - 1)
+                if end > start:
+                    libc.madvise(start, end - start, _MADV_HUGEPAGE)
+                    _populate(libc, start, end)
+            libc.free(block)
+        yield in_place
+    finally:
+        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        for guard in guards:
+            if guard:
+                libc.free(guard)  # merges the unused tail of the block into the top chunk, which glibc then trims
+        _lock.release()
+
+
+_MADV_NOHUGEPAGE = 15
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in with one call instead of one trap per page
+_POPULATE_CHUNK = 32 << 20
+_SLOW_HUGE = 1.5e9  # bytes/s: huge pages this slow come from memory the hypervisor must back first
+last_populate: dict = {}  # what the last arena did (for benchmarks and curious users)
+
+
+def _populate(libc, start: int, end: int) -> None:
+    """Fault [start, end) in, one CPU stream per core, choosing the page size chunk by chunk.
+
+    Huge pages are the fast way in (one fault per 2 MiB) where the kernel hands out memory that is really there.
+    On a VM with free-page reporting (the 2-core VMs this is benchmarked on), free 2 MiB blocks are handed back to
+    the host after ~2 s, and faulting one in costs a host fault per 4 KiB: slower than 4 KiB pages, which the
+    kernel serves first from the small free fragments that stayed backed. So: populate a chunk with huge pages,
+    and if that ran slower than _SLOW_HUGE, do the next chunks in 4 KiB pages, trying huge pages again now and
+    then. Nothing here changes a byte of the memory's contents; it only decides how the pages arrive.
+    """
+    chunks = [(a, min(_POPULATE_CHUNK, end - a)) for a in range(start, end, _POPULATE_CHUNK)]
+    state = {"huge": True, "small_run": 0, "failed": False, "huge_bytes": 0, "small_bytes": 0}
+    lock = threading.Lock()
+
+    def work(mine: list) -> None:
+        for addr, n in mine:
+            with lock:
+                if state["failed"]:
+                    return
+                huge = state["huge"]
+                if not huge:
+                    state["small_run"] += 1
+                    huge = state["small_run"] % 16 == 0  # probe huge pages again now and then
+            if not huge:
+                libc.madvise(addr, n, _MADV_NOHUGEPAGE)
+            t = time.perf_counter()
+            if libc.madvise(addr, n, _MADV_POPULATE_WRITE) != 0:
+                with lock:
+                    state["failed"] = True  # an older kernel: pages fault in on first touch instead
+                return
+            rate = n / max(time.perf_counter() - t, 1e-9)
+            with lock:
+                state["huge_bytes" if huge else "small_bytes"] += n
+                if huge:
+                    state["huge"] = rate >= _SLOW_HUGE
+
+    workers = max(1, min(4, os.cpu_count() or 1))
+    started = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(chunks[i::workers],)) for i in range(1, workers)]
+    for t in threads:
+        t.start()
+    work(chunks[0::workers])
+    for t in threads:
+        t.join()
+    last_populate.clear()
+    last_populate.update(state, seconds=time.perf_counter() - started, bytes=end - start)
+
+
+_streams: dict[int, tuple[mx.Stream, ...]] = {}
+
+
+def cpu_streams() -> tuple[mx.Stream, ...]:
+    """One CPU stream per core (at most 4): each runs its own thread, so loads on them run in parallel.
+
+    Made once per process (keyed by pid: a forked child must not use streams whose threads stayed behind)."""
+    pid = os.getpid()
+    if pid not in _streams:
+        count = max(1, min(4, os.cpu_count() or 1))
+        _streams[pid] = (mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(count - 1)))
+    return _streams[pid]
+
+
+def load_parallel(open_lazy: Callable[[mx.Stream], dict[str, mx.array]], order: list[str] | None = None,
+                  lazy: bool = False) -> dict[str, mx.array]:
+    """`open_lazy(stream)` returns lazily loaded arrays (e.g. `mx.load(path, stream=stream)`); evaluate them
+    spread over the CPU streams, inside a huge-page arena, and return them. `lazy=True` only opens them.
+
+    `order` (the arrays' order in the file): walking it, each array goes to the stream with the fewest bytes so
+    far, so the streams advance through the file side by side, which keeps reads from disk sequential."""
+    if lazy:
+        return open_lazy(mx.default_stream(mx.cpu))
+    streams = cpu_streams()
+    opened = [open_lazy(s) for s in streams]
+    first = opened[0]
+    if order is None or set(order) != set(first):
+        order = list(first)
+    loads = [0] * len(streams)
+    chosen = {}
+    for name in order:
+        i = loads.index(min(loads))
+        chosen[name] = i
+        loads[i] += first[name].nbytes
+    arrays = [opened[chosen[name]][name] for name in order]
+    del opened
+    with huge_page_arena(sum(loads)):
+        mx.eval(arrays)
+    return dict(zip(order, arrays))
+
+
+def prefetch(paths: list) -> threading.Thread | None:
+    """Files not (all) in the page cache: ask the kernel to read them ahead, from a background thread, so the disk
+    streams at full speed while the loaders copy. Cached files: nothing to do (probing costs a few preads)."""
+    cold = [p for p in paths if not _cached(p)]
+    if not cold:
+        return None
+
+    def advise() -> None:
+        for p in cold:
+            with contextlib.suppress(OSError):
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    thread = threading.Thread(target=advise, name="squishlike-readahead", daemon=True)
+    thread.start()
+    return thread
+
+
+def _cached(path, probes: int = 8) -> bool:
+    """Whether a few evenly spread pages of the file are in the page cache (RWF_NOWAIT reads fail if not)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        size = os.fstat(fd).st_size
+        buffer = bytearray(1)
+        for k in range(probes):
+            offset = size * k // probes
+            try:
+                os.preadv(fd, [buffer], offset, flag)
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True  # RWF_NOWAIT unsupported here: assume cached, never worse than before
+        return True
+    finally:
+        os.close(fd)
+
+
+def evaluate(arrays: list[mx.array], nbytes: int) -> None:
+    """mx.eval inside a huge-page arena sized for `nbytes`."""
+    with huge_page_arena(nbytes):
+        mx.eval(arrays)
+
+
+def load_each(openers: dict[str, tuple[int, Callable[[mx.Stream], mx.array]]], lazy: bool = False,
+              batch: int = 256) -> dict[str, mx.array]:
+    """Like load_parallel, for one lazily loaded array per file: `openers[name] = (nbytes, open(stream))`.
+
+    Each file is opened once, on the stream it is assigned to, and evaluated in batches (a lazy array holds its
+    file open until evaluated, so a model of thousands of files never needs thousands of descriptors)."""
+    if lazy:
+        stream = mx.default_stream(mx.cpu)
+        return {name: opener(stream) for name, (_, opener) in openers.items()}
+    streams = cpu_streams()
+    loads = [0] * len(streams)
+    chosen = {}
+    for name in sorted(openers, key=lambda k: -openers[k][0]):
+        i = loads.index(min(loads))
+        chosen[name] = i
+        loads[i] += openers[name][0]
+    out: dict[str, mx.array] = {}
+    names = list(openers)
+    with huge_page_arena(sum(loads)):
+        for start in range(0, len(names), batch):
+            part = {n: openers[n][1](streams[chosen[n]]) for n in names[start:start + batch]}
+            mx.eval(list(part.values()))
+            out.update(part)
+    return out
