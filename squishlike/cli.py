@@ -26,6 +26,17 @@ def _tier_choices() -> list[str]:
 # ---------------------------------------------------------------------------------------------- compress
 
 
+class _Calibrates(argparse.Action):
+    """Stores an option; one that makes compress run the model in float32 (AWQ, mixed precision, the INT3 gate)
+    also asks main() to restart with OpenBLAS preloaded (`fast_blas`), as eval does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = True if self.nargs == 0 else values
+        setattr(namespace, self.dest, value)
+        if value not in (False, 0, 0.0, "int8", "int4"):  # True, a fraction > 0, or "int3" (the gate)
+            namespace.fast_blas = True
+
+
 def add_compress(sub) -> None:
     from .compressor import ALL_TIERS, FORMATS
 
@@ -38,7 +49,8 @@ def add_compress(sub) -> None:
     )
     p.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
     p.add_argument("-o", "--output", required=True, type=Path, help="output npy-dir (must not exist or be empty)")
-    p.add_argument("--format", choices=FORMATS, default="int8", help="scheme for linear weights (default: int8)")
+    p.add_argument("--format", choices=FORMATS, default="int8", action=_Calibrates,
+                   help="scheme for linear weights (default: int8)")
     p.add_argument("--group-size", type=int, default=64, help="INT4/INT3 group size: 32, 64 (default) or 128 (int4)")
     p.add_argument("--passthrough", nargs="+", default=[], metavar="PATTERN",
                    help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
@@ -50,6 +62,18 @@ def add_compress(sub) -> None:
                    help=f"caches to build on first load, comma-separated from {','.join(ALL_TIERS)} "
                    "(default: mlx plus the store's quantized tier)")
     p.add_argument("--force", action="store_true", help="replace an existing npy-dir at OUTPUT")
+    calib = p.add_argument_group("calibration", "these run the source model in float32 on the shipped calibration text")
+    calib.add_argument("--awq", action=_Calibrates, nargs=0, default=False,
+                       help="activation-aware per-channel scaling (AWQ), folded into the norms; the stored form "
+                       "stays plain INT8/INT4/INT3")
+    calib.add_argument("--mixed-precision", type=float, default=0.0, action=_Calibrates, metavar="FRACTION",
+                       help="INT4/INT3: keep the most sensitive tensors (measured) at INT8, within FRACTION more "
+                       "bytes than the quantized tensors take (e.g. 0.1)")
+    calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
+                       help="INT3 accuracy gate: the 3-bit tier is built only if calibration perplexity rises by at "
+                       "most F (default 0.08, +8%%)")
+    calib.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                       help="use only the first N tokens of the calibration text (default: all)")
     p.set_defaults(run=run_compress)
 
 
@@ -67,6 +91,10 @@ def run_compress(args) -> int:
         dtype=args.dtype,
         tiers=args.tiers,
         force=args.force,
+        awq=args.awq,
+        mixed_precision=args.mixed_precision,
+        int3_max_ppl_increase=args.int3_max_ppl_increase,
+        calibration_max_tokens=args.calibration_tokens,
     )
     return 0
 
@@ -201,6 +229,20 @@ def add_export(sub) -> None:
     p.set_defaults(run=run_export)
 
 
+# ---------------------------------------------------------------------------------------------- bench
+
+
+def add_bench(sub) -> None:
+    from .bench import add_bench_arguments, run_bench
+
+    p = sub.add_parser("bench", help="load-time benchmark: every tier against mlx_lm.load, warm and cold",
+                       description="Time whole fresh processes loading a model with mlx_lm.load and with each "
+                       "squishlike tier, warm and with evicted pages, beside the memory and disk floors; print "
+                       "medians, ratios and peak RSS as a Markdown table (and JSON / a PNG chart).")
+    add_bench_arguments(p)
+    p.set_defaults(run=run_bench)
+
+
 # ---------------------------------------------------------------------------------------------- demo
 
 
@@ -231,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`squishlike.load` is a drop-in for `mlx_lm.load`.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (add_compress, add_generate, add_inspect, add_verify, add_eval, add_export, add_demo):
+    for add in (add_compress, add_generate, add_inspect, add_verify, add_eval, add_export, add_bench, add_demo):
         add(sub)
     return parser
 

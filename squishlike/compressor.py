@@ -10,9 +10,12 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import shutil
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +28,15 @@ from .errors import OutputExistsError, QuantizationError
 from .formats.npydir import FORMAT, FORMAT_VERSION, MANIFEST, SCHEMES, TENSORS, NpyDir, encode_key, rows_cols
 from .hub import resolve_local
 from .provider import WeightProvider
-from .storage import exclusive, file_record, make_temp_dir, publish_dir, write_json, write_npy
+from .storage import (
+    exclusive,
+    file_record,
+    make_temp_dir,
+    publish_dir,
+    remove_stale_temps,
+    write_json,
+    write_npy_stream,
+)
 
 FORMATS = ("int8", "int4", "int3")
 GROUP_SIZES = {"int8": (32, 64, 128), "int4": (32, 64, 128), "int3": (32, 64)}
@@ -47,6 +58,13 @@ class CompressOptions:
     tiers: tuple[str, ...] | None = None  # cache policy; default: mlx + the store's quantized tier
     force: bool = False
     extra_manifest: dict = field(default_factory=dict)
+    # Calibration (squishlike/calibrate.py; each runs the source model in float32 on data/calibration.txt):
+    awq: bool = False  # activation-aware per-input-channel scaling, folded into norms / v / up
+    mixed_precision: float = 0.0  # INT4/INT3: keep the most sensitive tensors at INT8 within this extra-size fraction
+    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (SPEC §3)
+    int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
+    calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
+    calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
 
     def validate(self) -> None:
         if self.format not in FORMATS:
@@ -58,6 +76,8 @@ class CompressOptions:
             )
         if self.dtype is not None and self.dtype not in NP_STORAGE:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(NP_STORAGE)}")
+        if not 0 <= self.mixed_precision <= 1 or self.calibration_samples < 1:
+            raise ValueError("mixed_precision must be in [0, 1] and calibration_samples at least 1")
         unknown = set(self.tiers or ()) - set(ALL_TIERS)
         if unknown:
             raise ValueError(f"unknown tier(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_TIERS)}")
@@ -75,9 +95,17 @@ def compress(src: str | Path, out: str | Path, **options) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         with exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"):
             _check_output(out, opts.force)  # it may have appeared while we waited
+            remove_stale_temps(out.parent, out.name)  # what a killed run into OUT left (we hold its lock)
             tmp = make_temp_dir(out)
             try:
-                summary = _write_store(provider, tmp, opts)
+                from . import calibrate
+
+                plan = calibrate.prepare(provider, opts, choose_scheme)  # None unless AWQ, mixed or INT3 ask
+                if plan is not None:
+                    opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
+                summary = _write_store(provider, tmp, opts, plan)
+                if opts.format == "int3":
+                    calibrate.write_int3_gate(provider, tmp, opts, plan)  # re-writes the manifest, atomically
                 publish_dir(tmp, out)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -146,12 +174,15 @@ def error_stats(original: np.ndarray, src_dtype: str, parts: dict, entry: dict, 
         fn = quant.dequantize_int4 if entry["scheme"] == "int4" else quant.dequantize_int3
         q, s, z = (sampled[p.suffix] for p in SCHEMES[entry["scheme"]])
         approx = fn(q, s, z, group_size=entry["group_size"], scale_dtype=runtime, out_dtype="float32")
-    exact = as_float32(np.ascontiguousarray(original.reshape(rows, cols)[pick]), src_dtype).astype(np.float64)
-    approx = approx.astype(np.float64)
-    norm = np.linalg.norm(exact)
-    rel = float(np.linalg.norm(exact - approx) / norm) if norm > 0 else 0.0
-    denom = norm * np.linalg.norm(approx)
-    cosine = float(np.sum(exact * approx) / denom) if denom > 0 else 1.0
+    exact = as_float32(np.ascontiguousarray(original.reshape(rows, cols)[pick]), src_dtype).astype(np.float64).ravel()
+    approx = approx.astype(np.float64).ravel()
+    # Sums of products with einsum, not np.linalg.norm / np.dot: those call a multithreaded BLAS that, on a busy
+    # 2-core machine, spins for milliseconds per call (25-50x slower here). Same float64 sums, rounded as before.
+    diff = exact - approx
+    norm = math.sqrt(np.einsum("i,i->", exact, exact))
+    rel = float(math.sqrt(np.einsum("i,i->", diff, diff)) / norm) if norm > 0 else 0.0
+    denom = norm * math.sqrt(np.einsum("i,i->", approx, approx))
+    cosine = float(np.einsum("i,i->", exact, approx) / denom) if denom > 0 else 1.0
     return {"rel_error": round(rel, 6), "cosine": round(cosine, 6), "sampled_rows": int(len(pick))}
 
 
@@ -161,7 +192,7 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions) -> dict:
+def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, plan=None) -> dict:
     runtime = opts.dtype or runtime_dtype(provider)
     infos = provider.reader.tensors()
     names = provider.names()
@@ -169,12 +200,39 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions) -> 
     entries: dict[str, dict] = {}
     source_bytes = sum(t.nbytes for t in infos.values())
     bar = tqdm(total=source_bytes, unit="B", unit_scale=True, desc="compress", disable=None, file=sys.stderr)
+    # A pipeline of two: while the main thread reads and quantizes tensor i+1 (the Rust kernels use every core),
+    # a worker measures tensor i's error and writes its files (NumPy, hashing and the writes release the GIL).
+    pool = ThreadPoolExecutor(1, thread_name_prefix="squishlike-store")
+    pending: deque = deque()
+
+    def finish_oldest() -> None:
+        done_name, future, nbytes = pending.popleft()
+        entries[done_name] = future.result()
+        bar.update(nbytes)
+
+    try:
+        _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pending, finish_oldest)
+        while pending:
+            finish_oldest()
+    finally:
+        for _, future, _ in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
+    bar.close()
+
+    return _finish_store(provider, tmp, opts, runtime, entries, source_bytes)
+
+
+def _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pending, finish_oldest) -> None:
     for name in names:
         source_name = provider.source_name(name)
         info = infos.get(source_name)
         array, src_dtype = to_numpy(provider.get(name))
         array = np.ascontiguousarray(array)
         scheme, reason = choose_scheme(name, array.shape, opts)
+        if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
+            array, src_dtype = plan.apply(name, array, src_dtype)
+            scheme, reason = plan.scheme(name, scheme, reason)
         entry = {
             "key": encode_key(name),
             "source_name": source_name,
@@ -190,22 +248,37 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions) -> 
                 parts = _quantize(array, src_dtype, scheme, opts, runtime)
             except ValueError as e:
                 raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
-            entry["error"] = error_stats(array, src_dtype, parts, entry, runtime)
-            if entry["error"]["rel_error"] > ERROR_LIMITS[scheme]:
-                entry.update(scheme="passthrough", reason=f"outliers: relative error {entry['error']['rel_error']:.3f} "
-                             f"> {ERROR_LIMITS[scheme]} for {scheme}")
-                for k in ("group_size", "scale_dtype"):
-                    entry.pop(k, None)
-        if entry["scheme"] == "passthrough":
-            parts = {"pt": array}
-            entry["stored_dtype"] = src_dtype
-        entry["files"] = {
-            suffix: write_npy(tmp / TENSORS / f"{entry['key']}__{suffix}.npy", part) for suffix, part in parts.items()
-        }
-        entries[name] = entry
-        bar.update(info.nbytes if info else array.nbytes)
-    bar.close()
+        else:
+            parts = None
+        while len(pending) >= 2:  # at most one tensor waiting behind the one being finished: bounded memory
+            finish_oldest()
+        future = pool.submit(_finish_tensor, tmp, entry, array, src_dtype, parts, runtime)
+        pending.append((name, future, info.nbytes if info else array.nbytes))
 
+
+def _finish_tensor(tmp: Path, entry: dict, array: np.ndarray, src_dtype: str, parts: dict | None,
+                   runtime: str) -> dict:
+    """Error statistics, the outlier check, and the tensor's files: the manifest entry, complete."""
+    scheme = entry["scheme"]
+    if scheme != "passthrough":
+        entry["error"] = error_stats(array, src_dtype, parts, entry, runtime)
+        if entry["error"]["rel_error"] > ERROR_LIMITS[scheme]:
+            entry.update(scheme="passthrough", reason=f"outliers: relative error {entry['error']['rel_error']:.3f} "
+                         f"> {ERROR_LIMITS[scheme]} for {scheme}")
+            for k in ("group_size", "scale_dtype"):
+                entry.pop(k, None)
+    if entry["scheme"] == "passthrough":
+        parts = {"pt": array}
+        entry["stored_dtype"] = src_dtype
+    # Inside the temp directory that publish_dir fsyncs and renames as a whole: no per-file temp name and fsync.
+    entry["files"] = {
+        suffix: write_npy_stream(tmp / TENSORS / f"{entry['key']}__{suffix}.npy", part, atomic=False)
+        for suffix, part in parts.items()
+    }
+    return entry
+
+
+def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict, source_bytes: int) -> dict:
     side_files = {p.name: file_record(p) for p in provider.write_side_files(tmp)}
     schemes = {e["scheme"] for e in entries.values()}
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[s for s in ("int4", "int3") if s in schemes])

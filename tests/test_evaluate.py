@@ -208,6 +208,15 @@ def test_compare_with_perturbed_model(model, windows):
     assert one["kl_mean"] == pytest.approx(kl_np.mean(), rel=1e-3)
 
 
+def test_compare_with_a_reference_cache(model, windows):
+    """Many candidates against one reference: the cached reference gives the same figures, and refuses other windows."""
+    cache = ev.ReferenceCache(model, windows)
+    for candidate in (perturbed(model), perturbed(model, scale=0.1)):
+        assert ev.compare(candidate, cache, windows) == ev.compare(candidate, model, windows)
+    with pytest.raises(ValueError, match="other windows"):
+        ev.compare(model, cache, windows[:1])
+
+
 # ------------------------------------------------------------------------------------------------ greedy
 
 

@@ -1,0 +1,175 @@
+"""Quantization quality machinery (issue 6) on tiny real-architecture models: AWQ folding, the stored form after
+scaling in every tier, mixed-precision entries in every tier, and the INT3 accuracy gate both ways.
+
+The quality targets themselves (SmolLM2-135M) are measured by benchmarks/quality.py, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from test_tiers import ALL, TOKENS, assert_same_weights
+from tiny_models import TINY_CONFIGS, cosine, logits, make_hf_model
+
+import squishlike
+from squishlike import calibrate
+from squishlike.errors import TierNotReadyError
+from squishlike.formats.npydir import NpyDir
+from squishlike.info import inspect_model
+from squishlike.provider import WeightProvider
+from squishlike.tiers import load_weights
+
+CALIB_TOKENS = 512  # keep the float32 passes of the tests short
+
+
+def amplified(path, factor: float):
+    """Scale every matrix of the HF model at `path` by `factor`: confident predictions that quantization hurts."""
+    file = path / "model.safetensors"
+    params = mx.load(str(file))
+    mx.save_safetensors(str(file), {k: v * factor if v.ndim == 2 else v for k, v in params.items()},
+                        metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture
+def loud_llama(tmp_path, tokenizer_dir):
+    return amplified(make_hf_model(tmp_path / "loud", TINY_CONFIGS["llama"], tokenizer_dir), 4.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_awq_fold_is_exact_in_float(tmp_path, tokenizer_dir, arch):
+    """Scaling columns and folding 1/s into the norms, v rows (GQA-tied) and up rows changes nothing in float."""
+    src = make_hf_model(tmp_path / arch, TINY_CONFIGS[arch], tokenizer_dir)
+    with WeightProvider.open(src) as provider:
+        model, tokenizer = calibrate.source_model(provider)
+        groups, why_not = calibrate.scale_groups(model, provider)
+        assert why_not is None and len(groups) == 4 * TINY_CONFIGS[arch]["num_hidden_layers"]
+        calib = calibrate.collect(model, tokenizer, groups, max_tokens=CALIB_TOKENS, samples=64)
+        assert calib.samples["layers.0.down"].shape == (64, TINY_CONFIGS[arch]["intermediate_size"])
+        transform = calibrate.Transform()
+        for g in groups:  # alpha = 1: the strongest scaling the search can pick
+            calibrate.add_scales(transform, g, calibrate.group_scales(g, calib.abs_mean[g.name], 1.0))
+        spread = max(float(s.max() / s.min()) for s in transform.col.values())
+        assert spread > 2.0  # a real rescaling, not the identity
+        assert "layers.0.attention.v.weight" in transform.row and "layers.0.ffn.up.weight" in transform.row
+        folded, _ = calibrate.source_model(provider)
+        folded.load_weights([
+            (provider.mlx_name(n), mx.array(transform.apply(n, np.array(provider.get(n), np.float32))))
+            for n in provider.names()
+        ])
+        if arch == "qwen2":  # v bias folds with the v rows
+            assert "layers.0.attention.v.bias" in transform.row
+    a, b = logits(model, TOKENS), logits(folded, TOKENS)
+    assert mx.abs(a - b).max().item() <= 1e-4 * max(1.0, mx.abs(a).max().item())
+    folded_norm = np.array(folded.model.layers[0].input_layernorm.weight)
+    assert not np.allclose(folded_norm, np.array(model.model.layers[0].input_layernorm.weight))  # 1/s lives there
+
+
+def test_awq_store_is_plain_int4_and_identical_in_every_tier(loud_llama, tmp_path):
+    out = squishlike.compress(loud_llama, tmp_path / "awq", format="int4", awq=True, clip_search=True,
+                              calibration_max_tokens=CALIB_TOKENS, tiers=ALL)
+    manifest = json.loads((out / "manifest.json").read_text())
+    awq = manifest["awq"]
+    assert awq["applied"] and len(awq["groups"]) == 8
+    assert all(0 <= g["alpha"] <= 1 and g["error_ratio"] <= 1.0 for g in awq["groups"].values())
+    assert any(g["alpha"] > 0 for g in awq["groups"].values())
+    assert manifest["calibration"]["text"] == "calibration" and manifest["calibration"]["tokens"] <= CALIB_TOKENS
+    store = NpyDir(out)
+    assert {e["scheme"] for n, e in store.entries.items() if n.endswith("attention.q.weight")} == {"int4"}
+
+    cold, _ = squishlike.load(out)  # builds every tier from the store
+    assert load_weights(store).tier == "int4"
+    quantized, _ = squishlike.load(out, tier="int4")
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in quantized.named_modules())
+    for tier in ("int4", "mlx", "finalized", "cold"):
+        assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
+    reference, _ = squishlike.load(loud_llama)
+    assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) > 0.9  # still the same model, roughly
+
+
+def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path):
+    out = squishlike.compress(loud_llama, tmp_path / "mixed", format="int4", mixed_precision=0.25,
+                              calibration_max_tokens=CALIB_TOKENS, tiers=ALL)
+    manifest = json.loads((out / "manifest.json").read_text())
+    report = manifest["mixed_precision"]
+    promoted = report["tensors"]
+    assert promoted and report["extra_bytes"] <= 0.25 * report["base_bytes"]
+    assert report["estimated_loss_increase"]["mixed"] < report["estimated_loss_increase"]["all_base"]
+    entries = manifest["tensors"]
+    for name, e in entries.items():
+        if name in promoted:
+            assert e["scheme"] == "int8" and e["reason"].startswith("mixed precision") and "error" in e
+        elif name.startswith("layers.") and name.endswith(".weight") and "norm" not in name:
+            assert e["scheme"] == "int4", name
+    cold, _ = squishlike.load(out)
+    int4, _ = squishlike.load(out, tier="int4")
+    modules = dict(int4.named_modules())
+    for name in promoted:  # the 4-bit tier holds the INT8 tensors dense
+        mlx_path = NpyDir(out).entries[name]["source_name"].removesuffix(".weight")
+        assert type(modules[mlx_path]) is nn.Linear
+    assert any(isinstance(m, nn.QuantizedLinear) for m in modules.values())
+    for tier in ("int4", "mlx", "finalized", "cold"):
+        assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
+
+
+def _int3(src, out, bound: float):
+    return squishlike.compress(src, out, format="int3", group_size=32, awq=True, int3_max_ppl_increase=bound,
+                               calibration_max_tokens=CALIB_TOKENS)
+
+
+def test_int3_gate_passes_with_a_loose_bound(tiny_llama, tmp_path):
+    out = _int3(tiny_llama, tmp_path / "loose", 1.0)
+    gate = NpyDir(out).manifest["int3_gate"]
+    assert gate["passed"] is True and gate["bound"] == 1.0 and gate["text"] == "calibration"
+    assert gate["candidate_ppl"] > 0 and gate["reference_ppl"] > 0 and gate["tokens"] == CALIB_TOKENS - 1
+    assert gate["increase"] == pytest.approx(gate["candidate_ppl"] / gate["reference_ppl"] - 1, abs=1e-5)
+    assert "within the bound" in gate["reason"]
+    cold, _ = squishlike.load(out)  # builds the 3-bit tier: the gate passed
+    int3, _ = squishlike.load(out, tier="int3")
+    assert any(isinstance(m, nn.QuantizedLinear) and m.bits == 3 for _, m in int3.named_modules())
+    assert_same_weights(cold, int3)
+    assert json.loads((out / ".squish_3bit_ready").read_text())["int3_gate"]["passed"] is True
+
+
+def test_int3_gate_fails_with_a_tight_bound(tiny_llama, tmp_path):
+    """The same store measured again (compress is deterministic) against a bound just under its measured increase."""
+    measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest["int3_gate"]["increase"]
+    out = _int3(tiny_llama, tmp_path / "tight", measured - 0.005)
+    gate = NpyDir(out).manifest["int3_gate"]
+    assert gate["increase"] == pytest.approx(measured, abs=1e-6)
+    assert gate["passed"] is False and "over the bound" in gate["reason"]
+    squishlike.load(out)  # the cold path builds what the policy wants: not the 3-bit tier
+    with pytest.raises(TierNotReadyError):
+        squishlike.load(out, tier="int3")
+    assert inspect_model(out)["store"]["int3_gate"]["reason"] == gate["reason"]
+    assert NpyDir(_int3(tiny_llama, tmp_path / "just", measured + 0.005)).manifest["int3_gate"]["passed"] is True
+
+
+def test_cli_flags_and_inspect_reason(tiny_llama, tmp_path):
+    measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest["int3_gate"]["increase"]
+    out = tmp_path / "cli3"
+    done = subprocess.run(
+        [sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o", str(out), "--format", "int3",
+         "--group-size", "32", "--awq", "--int3-max-ppl-increase", f"{measured - 0.005:.6f}",
+         "--calibration-tokens", str(CALIB_TOKENS)],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["awq"]["applied"] and manifest["int3_gate"]["passed"] is False
+    shown = subprocess.run([sys.executable, "-m", "squishlike", "inspect", str(out)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "no 3-bit tier: 3-bit perplexity on the calibration text" in shown.stdout
+
+
+def test_awq_skipped_for_an_unsupported_family(tmp_path, tokenizer_dir):
+    src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
+    with pytest.warns(UserWarning, match="AWQ scaling skipped"):
+        out = squishlike.compress(src, tmp_path / "g4", format="int4", awq=True, calibration_max_tokens=256)
+    awq = NpyDir(out).manifest["awq"]
+    assert awq["applied"] is False and "gemma3_text" in awq["reason"]
