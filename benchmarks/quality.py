@@ -136,13 +136,15 @@ def evaluate_rows(args) -> list[dict]:
 
 
 def markdown(results: list[dict], args) -> str:
+    from squishlike.evaluate import load_prompts
+
     ref = next((r for r in results if r["kind"] == "reference"), None)
     mlx = next((r for r in results if r["kind"] == "mlx"), None)
     lines = [
         f"Model: SmolLM2-135M-Instruct (embedded GGUF); reference = the GGUF as the provider reads it (float32). "
         f"Text: first {results[0]['positions'] + results[0]['windows']} tokens of data/eval_prose.txt "
-        f"({results[0]['positions']} scored positions); greedy: {len(__import__('squishlike.evaluate').evaluate.load_prompts())} "
-        f"prompts x {args.gen_tokens} tokens. All in float32.",
+        f"({results[0]['positions']} scored positions); greedy: {len(load_prompts())} prompts x {args.gen_tokens} "
+        f"tokens. All in float32.",
         "",
         "| model | ppl | Δ ppl | Δ vs mlx_lm 4-bit | top-1 | KL (nats) | greedy | weights at rest | INT3 gate |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -156,7 +158,8 @@ def markdown(results: list[dict], args) -> str:
         if r.get("int3_gate"):
             g = r["int3_gate"]
             if "candidate_ppl" in g:
-                gate = f"{'passed' if g['passed'] else 'failed'} ({g['increase']:+.1%} on calibration, bound {g['bound']:+.0%})"
+                verdict = "passed" if g["passed"] else "failed"
+                gate = f"{verdict} ({g['increase']:+.1%} on calibration, bound {g['bound']:+.0%})"
             else:
                 gate = g.get("reason", "")
         lines.append(

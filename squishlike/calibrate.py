@@ -590,7 +590,6 @@ def prepare(provider, opts, choose_scheme: Callable[[str, tuple, Any], tuple[str
         plan.record["mixed_precision"] = report
         _log(f"mixed precision: {len(chosen)} of {len(names)} tensors kept at {high.scheme} "
              f"(+{report['extra_bytes'] / 1e6:.2f} MB), {time.perf_counter() - t0:.1f} s")
-    del model, params
     plan.record.setdefault("calibration", {})["seconds"] = round(time.perf_counter() - started, 1)
     return plan
 
