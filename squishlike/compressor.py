@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import quant
-from .dtypes import NP_STORAGE, to_numpy
+from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import OutputExistsError, QuantizationError
 from .formats.npydir import FORMAT, FORMAT_VERSION, MANIFEST, SCHEMES, TENSORS, NpyDir, encode_key, rows_cols
 from .hub import resolve_local
@@ -268,6 +268,10 @@ def _finish_tensor(tmp: Path, entry: dict, array: np.ndarray, src_dtype: str, pa
             for k in ("group_size", "scale_dtype"):
                 entry.pop(k, None)
     if entry["scheme"] == "passthrough":
+        if entry["dtype"] not in NP_STORAGE and src_dtype != runtime:
+            # Dequantized from a quantized source (a GGUF Q8_0 embedding): its float32 values hold no more than the
+            # runtime dtype it is cast to at load, so store that (the same mx rounding, half the bytes at rest).
+            array, src_dtype = to_numpy(to_mx(array, src_dtype).astype(MX_DTYPES[runtime]))
         parts = {"pt": array}
         entry["stored_dtype"] = src_dtype
     # Inside the temp directory that publish_dir fsyncs and renames as a whole: no per-file temp name and fsync.
