@@ -112,6 +112,12 @@ def _child_load(loader: str, path: str, tier: str | None, forward: bool) -> dict
     rss_import = _rss_now()
     model, tokenizer = load(path) if loader == "mlx_lm" else load(path, tier=tier)
     t_ready = time.monotonic()
+    if loader != "mlx_lm":
+        with contextlib.suppress(ImportError, AttributeError):
+            from squishlike.tiers import fastmem
+
+            if fastmem.last_populate:
+                phases["populate"] = dict(fastmem.last_populate)
     report = {"ready_at": t_ready, "import_s": t_import - t0, "load_s": t_ready - t_import, **phases,
               "rss_start": rss_start, "rss_after_import": rss_import, "rss_peak": _peak_rss_bytes()}
     if forward:
@@ -244,11 +250,14 @@ def _spawn(args: list[str], env: dict | None = None) -> dict:
 def measure_load(path: str | Path, *, loader: str = "squishlike", tier: str | None = None,
                  forward: bool = False, env: dict | None = None) -> dict:
     """Load `path` in a fresh process; return wall seconds (spawn to model and tokenizer ready), the child's
-    phase timings (import_s, load_s, weights_s, tokenizer_s, forward_s) and memory (rss_* bytes)."""
+    phase timings (import_s, load_s, weights_s, tokenizer_s, forward_s) and memory (rss_start, rss_after_import,
+    rss_peak bytes; rss_peak_bytes and rss_base_bytes are the older names of the first and last)."""
     if loader not in LOADERS:
         raise ValueError(f"unknown loader {loader!r}")
     args = ["load", loader, str(path)] + (["--tier", tier] if tier else []) + (["--forward"] if forward else [])
-    return _spawn(args, env)
+    report = _spawn(args, env)
+    report["rss_peak_bytes"], report["rss_base_bytes"] = report["rss_peak"], report["rss_start"]  # older names
+    return report
 
 
 # ---------------------------------------------------------------------------------------------- page cache

@@ -27,7 +27,8 @@ from ..dtypes import NP_STORAGE
 from ..errors import FormatError, TierNotReadyError
 from ..formats.npydir import NpyDir
 from ..storage import DirectoryLock, remove_stale_temps, sentinel_says_damaged
-from .base import Loaded, Tier, mlx_names
+from . import fastmem
+from .base import Loaded, Tier, mlx_names, runtime_bytes
 from .fastmem import cpu_streams, huge_page_arena
 from .finalized import FinalizedTier
 from .mlx import MlxTier
@@ -54,14 +55,38 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> 
 
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
     computes them."""
-    if tier is not None:
-        return _load_forced(store, tier, lazy)
-    damaged: list[str] = []
-    loaded = _first_ready(store, lazy, damaged)
-    if loaded is not None:
-        return loaded
-    # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-    return _cold_and_build(store, lazy, recheck=not damaged)
+    try:
+        if tier is not None:
+            return _load_forced(store, tier, lazy)
+        damaged: list[str] = []
+        loaded = _first_ready(store, lazy, damaged)
+        if loaded is not None:
+            return loaded
+        # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
+        return _cold_and_build(store, lazy, recheck=not damaged)
+    finally:
+        fastmem.release()  # a prepare_memory() reservation this load did not use
+
+
+def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -> bool:
+    """Start faulting in, on a background thread, the memory that load_weights(store, tier) will fill.
+
+    For a caller with other work to do first (importing mlx_lm and transformers, building the tokenizer: ~2 s):
+    on the machines this is benchmarked on, getting fresh memory is most of a warm load, and it can run beside
+    that work instead of after it. load_weights then uses the reservation (or releases it). Cheap: it only reads
+    sentinels. Returns whether memory was reserved."""
+    if lazy:
+        return False
+    try:
+        if tier is not None and tier != "cold":
+            chosen = BY_NAME.get(tier)
+            nbytes = chosen.nbytes(store) if chosen is not None and chosen.ready(store)[0] else 0
+        else:
+            chosen = None if tier == "cold" else next((t for t in ORDER if t.ready(store)[0] is not None), None)
+            nbytes = chosen.nbytes(store) if chosen is not None else runtime_bytes(store)
+    except (OSError, ValueError, KeyError):
+        return False
+    return fastmem.reserve(nbytes) if nbytes else False
 
 
 def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
@@ -187,4 +212,5 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray]) -> list[str]:
     return built
 
 
-__all__ = ["ORDER", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status"]
+__all__ = ["ORDER", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
+           "prepare_memory"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -11,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..arch import architecture_for
+from ..dtypes import NP_STORAGE
 from ..formats.npydir import NpyDir
 from ..storage import read_sentinel
 
@@ -38,6 +40,10 @@ class Tier(ABC):
             return None, f"{sentinel.parent.name} is a symbolic link out of the directory"
         return read_sentinel(sentinel, store.fingerprint)
 
+    def nbytes(self, store: NpyDir) -> int:
+        """About how many bytes of memory a load from this tier fills (to reserve them ahead, tiers/fastmem.py)."""
+        return runtime_bytes(store)
+
     def invalidate(self, store: NpyDir) -> None:
         """Remove the sentinel first, so the tier never counts as ready while its files are being replaced."""
         with contextlib.suppress(FileNotFoundError):
@@ -50,6 +56,12 @@ class Tier(ABC):
     @abstractmethod
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
         """Build from the cold tier's dequantized tensors (canonical name -> runtime dtype, bf16 as uint16)."""
+
+
+def runtime_bytes(store: NpyDir) -> int:
+    """The bytes of every tensor of the store in the runtime dtype: what the dense tiers hold in memory."""
+    itemsize = np.dtype(NP_STORAGE[store.runtime_dtype]).itemsize
+    return sum(math.prod(e["shape"]) * itemsize for e in store.entries.values())
 
 
 def mlx_names(store: NpyDir) -> dict[str, str]:

@@ -65,46 +65,124 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+class _Reservation:
+    """`size` bytes of the main heap, malloc'd (so nobody else takes them) and being faulted in by _populate,
+    possibly on a background thread; a guard allocation right behind keeps the block, once freed, a free chunk
+    of the heap (not merged into the top chunk, which glibc trims), so the next allocations are carved from it."""
+
+    def __init__(self, libc, nbytes: int, background: bool):
+        self.libc = libc
+        self.nbytes = nbytes
+        self.size = nbytes + (nbytes >> 6) + 2 * HUGE_PAGE  # headers and alignment of a few hundred arrays, slack
+        self.guards: list[int] = []
+        self.in_place = False
+        self.thread: threading.Thread | None = None
+        libc.mallopt(_M_MMAP_MAX, 0)  # from the heap, not a private mmap: what MLX frees later stays reusable
+        try:
+            self.block = libc.malloc(self.size)
+            if self.block:
+                chunk = ctypes.c_size_t.from_address(self.block - 8).value & ~7  # glibc's header: size | flags
+                for _ in range(8):
+                    self.guards.append(libc.malloc(_GUARD))
+                    if self.guards[-1] == self.block + chunk:
+                        self.in_place = True
+                        break
+        finally:
+            libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        if self.in_place:
+            start = (self.block + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+            end = (self.block + self.size) & ~(HUGE_PAGE - 1)
+            if end > start:
+                libc.madvise(start, end - start, _MADV_HUGEPAGE)
+                if background:  # the thread only calls madvise: it never touches MLX (see loader notes)
+                    self.thread = threading.Thread(target=_populate, args=(libc, start, end),
+                                                   name="squishlike-populate", daemon=True)
+                    self.thread.start()
+                else:
+                    _populate(libc, start, end)
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def release(self) -> None:
+        """Give everything back (an unused reservation)."""
+        self.wait()
+        if self.block:
+            self.libc.free(self.block)
+            self.block = 0
+        for guard in self.guards:
+            if guard:
+                self.libc.free(guard)
+        self.guards = []
+
+
+_pending: _Reservation | None = None
+
+
+def reserve(nbytes: int) -> bool:
+    """Start faulting in memory for a coming load of about `nbytes`, on a background thread, so that work runs
+    beside whatever the caller does next (imports, the tokenizer). The next huge_page_arena of at most that size
+    uses it. Returns whether anything was reserved. Call release() if the load does not happen."""
+    global _pending
+    libc = _glibc()
+    if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
+        return False
+    try:
+        if _pending is not None:
+            _pending.release()
+        _pending = _Reservation(libc, nbytes, background=True)
+        return _pending.in_place
+    finally:
+        _lock.release()
+
+
+def release() -> None:
+    """Drop a reservation that no load used."""
+    global _pending
+    with _lock:
+        if _pending is not None:
+            _pending.release()
+            _pending = None
+
+
 @contextlib.contextmanager
-def huge_page_arena(nbytes: int) -> Iterator[bool]:
+def huge_page_arena(nbytes: int, wait: bool = True) -> Iterator[bool]:
     """While inside, large `malloc`s of this thread (MLX's CPU buffers) come from `nbytes` of memory that is
-    already faulted in, in huge pages where the machine gives them fast (see _populate).
+    already faulted in, in huge pages where the machine gives them fast (see _populate): the reservation made by
+    reserve() when there is one big enough, else one made here.
+
+    `wait=False` (reading from disk, which is slower than faulting memory in): the faulting goes on in the
+    background while the caller already reads into the arena; pages it has not reached fault in on first touch.
 
     Yields whether the arena is in place. Safe to nest (the inner one does nothing) and to use from any thread,
     but only allocations made by the main heap's users benefit; others behave exactly as before.
     """
+    global _pending
     libc = _glibc()
     if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
         yield False
         return
-    guards: list[int] = []
+    reservation = None
     try:
+        reservation, _pending = _pending, None
+        if reservation is not None and not nbytes <= reservation.nbytes <= nbytes * 5 // 4:
+            reservation.release()  # made for another load: too small, or so big its unused part would stay in RSS
+            reservation = None
+        if reservation is None:
+            reservation = _Reservation(libc, nbytes, background=not wait)
+        if wait:
+            reservation.wait()
         libc.mallopt(_M_MMAP_MAX, 0)
-        size = nbytes + (nbytes >> 6) + 2 * HUGE_PAGE  # headers and alignment of a few hundred arrays, and slack
-        block = libc.malloc(size)
-        in_place = False
-        if block:
-            chunk = ctypes.c_size_t.from_address(block - 8).value & ~7  # glibc's chunk header: size | flags
-            # A guard allocation right behind the block keeps the freed block a free chunk of the heap (not merged
-            # into the top chunk, which glibc trims): the next allocations are carved from it, in order.
-            for _ in range(8):
-                guards.append(libc.malloc(_GUARD))
-                if guards[-1] == block + chunk:
-                    in_place = True
-                    break
-            if in_place:
-                start = (block + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-                end = (block + size) & ~(HUGE_PAGE - 1)
-                if end > start:
-                    libc.madvise(start, end - start, _MADV_HUGEPAGE)
-                    _populate(libc, start, end)
-            libc.free(block)
-        yield in_place
+        if reservation.block:
+            libc.free(reservation.block)  # now a free chunk: the allocations below are carved from it, in order
+            reservation.block = 0
+        yield reservation.in_place
     finally:
         libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        for guard in guards:
-            if guard:
-                libc.free(guard)  # merges the unused tail of the block into the top chunk, which glibc then trims
+        if reservation is not None:
+            reservation.release()  # the guards: the unused tail merges into the top chunk, which glibc trims
         _lock.release()
 
 
@@ -115,18 +193,37 @@ _SLOW_HUGE = 1.5e9  # bytes/s: huge pages this slow come from memory the hypervi
 last_populate: dict = {}  # what the last arena did (for benchmarks and curious users)
 
 
+def _free_bytes() -> int:
+    """MemFree from /proc/meminfo (0 when unknown: then we assume memory is tight)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemFree:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _populate(libc, start: int, end: int) -> None:
     """Fault [start, end) in, one CPU stream per core, choosing the page size chunk by chunk.
 
     Huge pages are the fast way in (one fault per 2 MiB) where the kernel hands out memory that is really there.
     On a VM with free-page reporting (the 2-core VMs this is benchmarked on), free 2 MiB blocks are handed back to
     the host after ~2 s, and faulting one in costs a host fault per 4 KiB: slower than 4 KiB pages, which the
-    kernel serves first from the small free fragments that stayed backed. So: populate a chunk with huge pages,
-    and if that ran slower than _SLOW_HUGE, do the next chunks in 4 KiB pages, trying huge pages again now and
-    then. Nothing here changes a byte of the memory's contents; it only decides how the pages arrive.
+    kernel serves first from the small free fragments that stayed backed. And where free memory is short, a huge
+    page costs a compaction. So: with plenty of free memory, populate a chunk with huge pages, and if that ran
+    slower than _SLOW_HUGE, do the next chunks in 4 KiB pages, trying huge pages again now and then; with little,
+    4 KiB pages throughout. One call per 32 MiB either way (MADV_POPULATE_WRITE), not one fault per page.
+    Nothing here changes a byte of the memory's contents; it only decides how the pages arrive.
     """
     chunks = [(a, min(_POPULATE_CHUNK, end - a)) for a in range(start, end, _POPULATE_CHUNK)]
-    state = {"huge": True, "small_run": 0, "failed": False, "huge_bytes": 0, "small_bytes": 0}
+    # Little free memory: the kernel must reclaim (page cache) to serve us, and a huge page then costs a direct
+    # compaction on top. Plain pages only, then.
+    plenty = _free_bytes() > 2 * (end - start)
+    state = {"huge": plenty, "probe": plenty, "small_run": 0, "failed": False, "huge_bytes": 0, "small_bytes": 0}
+    if not plenty:
+        libc.madvise(start, end - start, _MADV_NOHUGEPAGE)
     lock = threading.Lock()
 
     def work(mine: list) -> None:
@@ -135,10 +232,10 @@ def _populate(libc, start: int, end: int) -> None:
                 if state["failed"]:
                     return
                 huge = state["huge"]
-                if not huge:
+                if not huge and state["probe"]:
                     state["small_run"] += 1
-                    huge = state["small_run"] % 16 == 0  # probe huge pages again now and then
-            if not huge:
+                    huge = state["small_run"] % 32 == 0  # probe huge pages again now and then
+            if not huge and state["probe"]:
                 libc.madvise(addr, n, _MADV_NOHUGEPAGE)
             t = time.perf_counter()
             if libc.madvise(addr, n, _MADV_POPULATE_WRITE) != 0:
@@ -178,7 +275,7 @@ def cpu_streams() -> tuple[mx.Stream, ...]:
 
 
 def load_parallel(open_lazy: Callable[[mx.Stream], dict[str, mx.array]], order: list[str] | None = None,
-                  lazy: bool = False) -> dict[str, mx.array]:
+                  lazy: bool = False, from_disk: bool = False) -> dict[str, mx.array]:
     """`open_lazy(stream)` returns lazily loaded arrays (e.g. `mx.load(path, stream=stream)`); evaluate them
     spread over the CPU streams, inside a huge-page arena, and return them. `lazy=True` only opens them.
 
@@ -199,7 +296,7 @@ def load_parallel(open_lazy: Callable[[mx.Stream], dict[str, mx.array]], order: 
         loads[i] += first[name].nbytes
     arrays = [opened[chosen[name]][name] for name in order]
     del opened
-    with huge_page_arena(sum(loads)):
+    with huge_page_arena(sum(loads), wait=not from_disk):
         mx.eval(arrays)
     return dict(zip(order, arrays))
 
@@ -257,7 +354,7 @@ def evaluate(arrays: list[mx.array], nbytes: int) -> None:
 
 
 def load_each(openers: dict[str, tuple[int, Callable[[mx.Stream], mx.array]]], lazy: bool = False,
-              batch: int = 256) -> dict[str, mx.array]:
+              batch: int = 256, from_disk: bool = False) -> dict[str, mx.array]:
     """Like load_parallel, for one lazily loaded array per file: `openers[name] = (nbytes, open(stream))`.
 
     Each file is opened once, on the stream it is assigned to, and evaluated in batches (a lazy array holds its
@@ -274,7 +371,7 @@ def load_each(openers: dict[str, tuple[int, Callable[[mx.Stream], mx.array]]], l
         loads[i] += openers[name][0]
     out: dict[str, mx.array] = {}
     names = list(openers)
-    with huge_page_arena(sum(loads)):
+    with huge_page_arena(sum(loads), wait=not from_disk):
         for start in range(0, len(names), batch):
             part = {n: openers[n][1](streams[chosen[n]]) for n in names[start:start + batch]}
             mx.eval(list(part.values()))

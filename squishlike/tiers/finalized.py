@@ -19,7 +19,7 @@ from ..errors import FormatError
 from ..formats.npydir import NpyDir
 from ..storage import make_temp_dir, publish_dir, write_npy_stream, write_sentinel
 from .base import Loaded, Tier, mlx_names
-from .fastmem import load_each
+from .fastmem import load_each, prefetch
 
 DIRECTORY = "finalized"
 _MX_STORAGE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.uint16}
@@ -49,7 +49,9 @@ class FinalizedTier(Tier):
 
             return math.prod(entry["shape"]) * itemsize, open_on
 
-        loaded = load_each({names[n]: opener(e) for n, e in store.entries.items()}, lazy=lazy)
+        paths = [store.path / DIRECTORY / f"{e['key']}.npy" for e in store.entries.values()]
+        from_disk = not lazy and prefetch(paths) is not None
+        loaded = load_each({names[n]: opener(e) for n, e in store.entries.items()}, lazy=lazy, from_disk=from_disk)
         return Loaded(loaded, store.config(), self.name)
 
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:

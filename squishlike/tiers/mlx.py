@@ -44,9 +44,9 @@ class MlxTier(Tier):
 
 def load_safetensors(path: Path, lazy: bool = False) -> dict[str, mx.array]:
     """mx.load(path), evaluated unless `lazy`: the same arrays, loaded in parallel into huge-page memory."""
-    if not lazy:
-        prefetch([path])
-    return load_parallel(lambda stream: mx.load(str(path), stream=stream), order=file_order(path), lazy=lazy)
+    from_disk = not lazy and prefetch([path]) is not None
+    return load_parallel(lambda stream: mx.load(str(path), stream=stream), order=file_order(path), lazy=lazy,
+                         from_disk=from_disk)
 
 
 def file_order(path: Path) -> list[str] | None:
@@ -62,26 +62,30 @@ def file_order(path: Path) -> list[str] | None:
 
 
 def write_safetensors(final: Path, tensors: list[tuple[str, str, list[int], object]]) -> dict:
-    """Write (name, dtype name, shape, data buffer) tensors as one safetensors file, atomically; return its record.
+    """Write (name, dtype name, shape, data) tensors as one safetensors file, atomically; return its record.
 
     Loads exactly like mx.save_safetensors' output (same header fields, metadata {"format": "mlx"}); the data is
-    streamed from the given buffers (NumPy arrays, memory maps) without an intermediate copy of the model.
+    streamed from the given buffers (NumPy arrays, memory maps) without an intermediate copy of the model. `data`
+    may be a callable returning the buffer: it is called when that tensor is written, and dropped after.
     """
     header: dict = {"__metadata__": {"format": "mlx"}}
     offset = 0
-    for name, dtype, shape, data in tensors:
-        nbytes = memoryview(data).nbytes
-        expected = math.prod(shape) * np.dtype(_np_dtype(dtype)).itemsize
-        if nbytes != expected:
-            raise ValueError(f"{name}: {nbytes} bytes of data for {dtype}{list(shape)} ({expected} bytes)")
+    for name, dtype, shape, _ in tensors:
+        nbytes = math.prod(shape) * np.dtype(_np_dtype(dtype)).itemsize
         header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the format recommends
     with atomic_stream(final) as w:
         w.write(len(blob).to_bytes(8, "little") + blob)
-        for _, _, _, data in tensors:
-            w.write(data)
+        for name, dtype, shape, data in tensors:
+            buffer = data() if callable(data) else data
+            expected = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            if memoryview(buffer).nbytes != expected:
+                raise ValueError(f"{name}: {memoryview(buffer).nbytes} bytes of data for {dtype}{list(shape)} "
+                                 f"({expected} bytes)")
+            w.write(buffer)
+            del buffer
     return w.record()
 
 

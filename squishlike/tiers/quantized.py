@@ -11,6 +11,7 @@ one safetensors file as they are, checksummed while written.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import numpy as np
@@ -32,6 +33,11 @@ class QuantizedTier(Tier):
     def wanted(self, store: NpyDir) -> bool:
         return super().wanted(store) and self.scheme in store.schemes()
 
+    def nbytes(self, store: NpyDir) -> int:
+        with contextlib.suppress(OSError):
+            return (store.path / self.directory / WEIGHTS).stat().st_size
+        return 0
+
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         root = store.path / self.directory
         return Loaded(load_safetensors(root / WEIGHTS, lazy=lazy), load_config(root), self.name)
@@ -43,14 +49,17 @@ class QuantizedTier(Tier):
         group_sizes = set()
         for name, entry in store.entries.items():
             if entry["scheme"] == self.scheme:
-                q, s, z = (store.load_part(name, p.suffix) for p in SCHEMES[self.scheme])
-                words = int4_to_mlx(q) if self.scheme == "int4" else q  # zero-copy views of the store's bytes
-                lead = list(entry["shape"][:-1])
+                # Each part is memory-mapped only while it is written (a callable, opened by write_safetensors):
+                # zero-copy views of the store's bytes, never all mapped (and counted in RSS) at once.
+                q_part, s_part, z_part = (p.suffix for p in SCHEMES[self.scheme])
+                lead, cols = list(entry["shape"][:-1]), entry["shape"][-1]
+                words = cols // 8 if self.scheme == "int4" else cols * 3 // 32
+                groups = cols // entry["group_size"]
                 prefix = names[name].removesuffix(".weight")
                 sd = entry["scale_dtype"]
-                tensors.append((f"{prefix}.weight", "uint32", [*lead, words.shape[-1]], words))
-                tensors.append((f"{prefix}.scales", sd, [*lead, s.shape[-1]], s))
-                tensors.append((f"{prefix}.biases", sd, [*lead, z.shape[-1]], z))
+                tensors.append((f"{prefix}.weight", "uint32", [*lead, words], self._words(store, name, q_part)))
+                tensors.append((f"{prefix}.scales", sd, [*lead, groups], _part(store, name, s_part)))
+                tensors.append((f"{prefix}.biases", sd, [*lead, groups], _part(store, name, z_part)))
                 group_sizes.add(entry["group_size"])
             else:
                 tensors.append((names[name], store.runtime_dtype, entry["shape"], dense[name]))
@@ -64,7 +73,6 @@ class QuantizedTier(Tier):
         tmp = make_temp_dir(final)
         try:
             files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors)}
-            del tensors  # the store's memory maps
             files[f"{self.directory}/config.json"] = write_json(tmp / "config.json", config)
             for rel in store.manifest.get("side_files", {}):
                 if rel != "config.json":
@@ -84,6 +92,15 @@ class QuantizedTier(Tier):
 
     def sentinel_extra(self, store: NpyDir) -> dict:
         return {}
+
+    def _words(self, store: NpyDir, name: str, suffix: str):
+        if self.scheme == "int4":
+            return lambda: int4_to_mlx(store.load_part(name, suffix))  # uint8 nibbles read as MLX's uint32 words
+        return _part(store, name, suffix)
+
+
+def _part(store: NpyDir, name: str, suffix: str):
+    return lambda: store.load_part(name, suffix)
 
 
 class Int4Tier(QuantizedTier):
