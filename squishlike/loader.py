@@ -2,24 +2,31 @@
 
 An npy-dir goes through the tier decision tree (squishlike/tiers); any other format the provider reads (HF,
 MLX, GGUF, Ollama) loads straight through the provider. Either way the result is what mlx_lm.load returns.
+
+Why mlx_lm is imported inside `load`, not here: importing it (and with it transformers) takes about a second of
+single-threaded Python, and the other big cost of a warm load on the machines this is benchmarked on is faulting in
+the fresh memory the weights land in. So `load` of an npy-dir starts that fault-in on a background thread
+(tiers.prepare_memory: threads that only call madvise) and imports meanwhile; then it reads the weights into the
+faulted memory on this thread (mx.eval releases the GIL) while a worker thread builds the tokenizer.
+The imports stay on this thread: importing mlx_lm creates an MLX stream (mlx_lm.generate's), and MLX streams
+belong to the thread that made them (one made on a worker that then exits aborts the process at exit).
 """
 
 from __future__ import annotations
 
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_adapters, load_config
+from typing import TYPE_CHECKING, Any
 
 from .errors import FormatError, SquishError
 from .formats.npydir import NpyDir
 from .hub import resolve_local
-from .model import build_model, build_tokenizer
-from .provider import WeightProvider
-from .tiers import load_weights
+from .tiers import load_weights, prepare_memory, release_memory
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def load(
@@ -42,47 +49,69 @@ def load(
     path = resolve_local(path_or_hf_repo, revision)
     if path is not None and NpyDir.is_npydir(path):
         store = NpyDir(path)
-        loaded = load_weights(store, tier)
-        weights, config = loaded.weights, loaded.config
-        side_files = store.path
-        model, tokenizer = _assemble(
-            config, weights, side_files, tokenizer_config, model_config, lazy, trust_remote_code, source=store.path
-        )
+        prepare_memory(store, tier, lazy)  # fault in the weights' memory on a background thread
+        try:
+            import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
+
+            eos_token_ids = {**store.config(), **(model_config or {})}.get("eos_token_id")
+            with ThreadPoolExecutor(1, thread_name_prefix="squishlike-tokenizer") as pool:
+                tokenizer = pool.submit(_tokenizer, store.path, store.path, tokenizer_config, trust_remote_code,
+                                        eos_token_ids)
+                loaded = load_weights(store, tier, lazy)
+                model = _model(loaded.config, loaded.weights, model_config, lazy, trust_remote_code, store.path,
+                               store.path)
+                tokenizer = tokenizer.result()
+        finally:
+            release_memory()  # a reservation no load used (an error before load_weights)
+        config = loaded.config
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")
+        from mlx_lm.utils import load_config
+
+        from .provider import WeightProvider
+
         with WeightProvider.open(path if path is not None else path_or_hf_repo) as provider:
             weights = {provider.mlx_name(n): provider.get(n) for n in provider.names()}
             with tempfile.TemporaryDirectory(prefix="squishlike-side-") as side_files:
                 provider.write_side_files(Path(side_files))
                 config = load_config(Path(side_files))
-                model, tokenizer = _assemble(
-                    config, weights, Path(side_files), tokenizer_config, model_config, lazy, trust_remote_code,
-                    source=provider.reader.path,
-                )
+                source = provider.reader.path
+                model = _model(config, weights, model_config, lazy, trust_remote_code, Path(side_files), source)
+                tokenizer = _tokenizer(Path(side_files), source, tokenizer_config, trust_remote_code,
+                                       config.get("eos_token_id"))
     if adapter_path is not None:
+        from mlx_lm.utils import load_adapters
+
         model = load_adapters(model, adapter_path)
         model.eval()
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
-def _assemble(config, weights, side_files, tokenizer_config, model_config, lazy, trust_remote_code, source):
-    """`source`: the model the user named (errors name it, and a trusted `model_file` is looked up beside it)."""
+def _model(config, weights, model_config, lazy, trust_remote_code, side_files: Path, source) -> nn.Module:
+    """The mlx_lm model; `source`: the model the user named (errors name it, and a trusted `model_file` is looked
+    up beside it)."""
+    from .model import build_model
+
     if model_config:
         config.update(model_config)
     model_dir = Path(source) if Path(source).is_dir() else side_files
     try:
-        model = build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code)
+        return build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code)
     except SquishError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:
         # mlx_lm's own complaint (a weight of the wrong shape, a config it cannot build), with the model's name
         raise FormatError(source, f"config and weights do not make a {config.get('model_type')} model: {e}") from e
+
+
+def _tokenizer(side_files: Path, source, tokenizer_config, trust_remote_code, eos_token_ids) -> TokenizerWrapper:
+    from .model import build_tokenizer
+
     try:
         # trust_remote_code passed explicitly: transformers would otherwise *ask* on a terminal whether to run a
         # tokenizer_config.json's custom code (auto_map); the answer is the caller's, and it defaults to no.
-        tokenizer = build_tokenizer(side_files, {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})},
-                                    eos_token_ids=config.get("eos_token_id"))
+        return build_tokenizer(side_files, {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})},
+                               eos_token_ids=eos_token_ids)
     except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
         raise FormatError(source, f"cannot load its tokenizer files: {type(e).__name__}: {e}") from e
-    return model, tokenizer

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
-from tiny_models import cosine, flat_params, logits
+from tiny_models import assert_same_weights, cosine, logits
 
 import squishlike
 from squishlike.errors import TierNotReadyError
@@ -17,30 +17,6 @@ from squishlike.tiers import ORDER, load_weights
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
 ALL = ("mlx", "finalized", "int4", "int3")
-
-
-def dense_params(model) -> dict[str, mx.array]:
-    """Every weight as a dense array, dequantizing quantized layers, keyed as the dense model would be."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            out[f"{name}.weight"] = mx.dequantize(
-                module.weight, module.scales, module.biases, group_size=module.group_size, bits=module.bits
-            )
-    for name, value in flat_params(model).items():
-        prefix = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")) or (name.endswith(".weight") and f"{prefix}.weight" in out):
-            continue
-        out[name] = value
-    return out
-
-
-def assert_same_weights(a, b) -> None:
-    pa, pb = dense_params(a), dense_params(b)
-    assert pa.keys() == pb.keys()
-    for k in pa:
-        assert pa[k].dtype == pb[k].dtype, k
-        assert mx.array_equal(pa[k], pb[k]).item(), f"{k} differs between tiers"
 
 
 def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path):

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from squishlike.model import model_classes
@@ -93,3 +94,27 @@ def cosine(a: mx.array, b: mx.array) -> float:
 
 def flat_params(model) -> dict[str, mx.array]:
     return dict(tree_flatten(model.parameters()))
+
+
+def dense_params(model) -> dict[str, mx.array]:
+    """Every weight as a dense array, dequantizing quantized layers, keyed as the dense model would be."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            out[f"{name}.weight"] = mx.dequantize(
+                module.weight, module.scales, module.biases, group_size=module.group_size, bits=module.bits
+            )
+    for name, value in flat_params(model).items():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) or (name.endswith(".weight") and f"{prefix}.weight" in out):
+            continue
+        out[name] = value
+    return out
+
+
+def assert_same_weights(a, b) -> None:
+    pa, pb = dense_params(a), dense_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype, k
+        assert mx.array_equal(pa[k], pb[k]).item(), f"{k} differs between tiers"

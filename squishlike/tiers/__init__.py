@@ -68,6 +68,11 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> 
         fastmem.release()  # a prepare_memory() reservation this load did not use
 
 
+def release_memory() -> None:
+    """Drop a prepare_memory() reservation when the load it was made for will not happen (an error before it)."""
+    fastmem.release()
+
+
 def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -> bool:
     """Start faulting in, on a background thread, the memory that load_weights(store, tier) will fill.
 
@@ -134,6 +139,7 @@ def _cold(store: NpyDir) -> tuple[Loaded, dict[str, np.ndarray]]:
     """(weights dequantized from the store, the same memory as NumPy arrays by canonical name for the builds)."""
     dtype = store.runtime_dtype
     store.check_part_sizes()  # before allocating from the manifest's shapes
+    fastmem.prefetch([store.path / rel for rel in store.part_files()])  # a store not in the page cache: read ahead
     buffers, dense = _allocate(store)
     _dequantize_all(store, dense)
     names = mlx_names(store)
@@ -213,4 +219,4 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray]) -> list[str]:
 
 
 __all__ = ["ORDER", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
-           "prepare_memory"]
+           "prepare_memory", "release_memory"]

@@ -95,11 +95,13 @@ class _Reservation:
             if end > start:
                 libc.madvise(start, end - start, _MADV_HUGEPAGE)
                 if background:  # the thread only calls madvise: it never touches MLX (see loader notes)
-                    self.thread = threading.Thread(target=_populate, args=(libc, start, end),
+                    # one core fewer than a foreground populate: the caller's own work (imports) needs one
+                    workers = max(1, _cores() - 1)
+                    self.thread = threading.Thread(target=_populate, args=(libc, start, end, workers),
                                                    name="squishlike-populate", daemon=True)
                     self.thread.start()
                 else:
-                    _populate(libc, start, end)
+                    _populate(libc, start, end, _cores())
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -205,8 +207,13 @@ def _free_bytes() -> int:
     return 0
 
 
-def _populate(libc, start: int, end: int) -> None:
-    """Fault [start, end) in, one CPU stream per core, choosing the page size chunk by chunk.
+def _cores() -> int:
+    """Threads worth giving to page faults and reads: one per core, at most 4 (more contend on one mm lock)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _populate(libc, start: int, end: int, workers: int) -> None:
+    """Fault [start, end) in on `workers` threads, choosing the page size chunk by chunk.
 
     Huge pages are the fast way in (one fault per 2 MiB) where the kernel hands out memory that is really there.
     On a VM with free-page reporting (the 2-core VMs this is benchmarked on), free 2 MiB blocks are handed back to
@@ -248,7 +255,6 @@ def _populate(libc, start: int, end: int) -> None:
                 if huge:
                     state["huge"] = rate >= _SLOW_HUGE
 
-    workers = max(1, min(4, os.cpu_count() or 1))
     started = time.perf_counter()
     threads = [threading.Thread(target=work, args=(chunks[i::workers],)) for i in range(1, workers)]
     for t in threads:
@@ -269,7 +275,7 @@ def cpu_streams() -> tuple[mx.Stream, ...]:
     Made once per process (keyed by pid: a forked child must not use streams whose threads stayed behind)."""
     pid = os.getpid()
     if pid not in _streams:
-        count = max(1, min(4, os.cpu_count() or 1))
+        count = _cores()
         _streams[pid] = (mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(count - 1)))
     return _streams[pid]
 
