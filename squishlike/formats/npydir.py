@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -35,6 +36,11 @@ TENSORS = "tensors"
 
 _KEY = re.compile(r"[A-Za-z0-9_.%-]+")
 _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
+# NumPy parses a .npy header with ast.literal_eval, and CPython 3.11 (before 3.11.8) keeps the AST constructor's
+# recursion depth in interpreter-wide state: two threads parsing at once fail at random with "SystemError: AST
+# constructor recursion depth mismatch" (python/cpython#106905). The cold path opens parts from a thread pool,
+# so header parsing takes turns; it is microseconds, the reads and dequantization stay parallel.
+_HEADER_LOCK = threading.Lock()
 
 
 def encode_key(name: str) -> str:
@@ -290,7 +296,8 @@ class NpyDir:
         part = next(p for p in SCHEMES[entry["scheme"]] if p.suffix == suffix)
         path = self.part_path(name, suffix)
         try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            with _HEADER_LOCK:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
             raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
         rows, cols = rows_cols(entry["shape"])
@@ -324,12 +331,11 @@ class NpyDir:
         try:
             with open(path, "rb", buffering=0) as f:
                 version = np.lib.format.read_magic(f)
-                if version == (1, 0):
-                    got_shape, fortran, got_dtype = np.lib.format.read_array_header_1_0(f)
-                elif version == (2, 0):
-                    got_shape, fortran, got_dtype = np.lib.format.read_array_header_2_0(f)
-                else:
+                readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+                if version not in readers:
                     raise ValueError(f"npy format version {version} not supported")
+                with _HEADER_LOCK:
+                    got_shape, fortran, got_dtype = readers[version](f)
                 if got_dtype != dtype or tuple(got_shape) != shape or (fortran and len(shape) > 1):
                     raise FormatError(path, f"holds {got_dtype}{list(got_shape)}, its role needs {dtype}{list(shape)}")
                 offset, view, done = f.tell(), memoryview(out.reshape(-1).view(np.uint8)), 0
