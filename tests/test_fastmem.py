@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import squishlike
+from squishlike.bench import evict
 from squishlike.tiers import fastmem
 
 TIERS = ("int4", "mlx", "finalized", "cold")
@@ -45,9 +46,11 @@ print(json.dumps({"weights": h.hexdigest(), "tokens": tokenizer.encode("The capi
 """
 
 
-def _digests(store, env: dict) -> dict:
+def _digests(store, env: dict, evicted: bool = False) -> dict:
     out = {}
     for tier in TIERS:
+        if evicted:  # then load() also asks the kernel to read the tier's files ahead (fastmem.prefetch)
+            evict([f for f in store.rglob("*") if f.is_file()])
         done = subprocess.run([sys.executable, "-c", _DIGESTS, str(store), tier], capture_output=True, text=True,
                               timeout=300, env={**os.environ, **env})
         assert done.returncode == 0, done.stderr[-2000:]
@@ -58,7 +61,7 @@ def _digests(store, env: dict) -> dict:
 @pytest.mark.skipif(fastmem._glibc() is None, reason="huge-page arena needs Linux glibc with THP not disabled")
 def test_prefaulted_arena_loads_identical_weights(int4_store):
     plain = _digests(int4_store, {"SQUISHLIKE_HUGEPAGES": "0"})
-    arena = _digests(int4_store, {})
+    arena = _digests(int4_store, {}, evicted=True)
     for tier in TIERS:
         assert plain[tier]["arena_bytes"] == 0
         assert arena[tier]["arena_bytes"] > 0, f"{tier}: the load did not use a pre-faulted arena"
