@@ -66,7 +66,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 class _Reservation:
-    """`size` bytes of the main heap, malloc'd (so nobody else takes them) and being faulted in by _populate,
+    """`size` bytes of the main heap, malloc'd (so nobody else takes them) and being faulted in by a _Populator,
     possibly on a background thread; a guard allocation right behind keeps the block, once freed, a free chunk
     of the heap (not merged into the top chunk, which glibc trims), so the next allocations are carved from it."""
 
@@ -77,6 +77,7 @@ class _Reservation:
         self.guards: list[int] = []
         self.in_place = False
         self.thread: threading.Thread | None = None
+        self.populator: _Populator | None = None
         libc.mallopt(_M_MMAP_MAX, 0)  # from the heap, not a private mmap: what MLX frees later stays reusable
         try:
             self.block = libc.malloc(self.size)
@@ -94,23 +95,32 @@ class _Reservation:
             end = (self.block + self.size) & ~(HUGE_PAGE - 1)
             if end > start:
                 libc.madvise(start, end - start, _MADV_HUGEPAGE)
+                self.populator = _Populator(libc, start, end)
                 if background:  # the thread only calls madvise: it never touches MLX (see loader notes)
                     # one core fewer than a foreground populate: the caller's own work (imports) needs one
-                    workers = max(1, _cores() - 1)
-                    self.thread = threading.Thread(target=_populate, args=(libc, start, end, workers),
+                    self.thread = threading.Thread(target=self.populator.run, args=(max(1, _cores() - 1),),
                                                    name="squishlike-populate", daemon=True)
                     self.thread.start()
                 else:
-                    _populate(libc, start, end, _cores())
+                    self.populator.run(_cores())
+                    self.populator.record()
 
     def wait(self) -> None:
+        """Until the memory is faulted in; the calling thread takes a share of what is left."""
         if self.thread is not None:
+            self.populator.work()
             self.thread.join()
             self.thread = None
+            self.populator.record()
 
     def release(self) -> None:
         """Give everything back (an unused reservation)."""
-        self.wait()
+        if self.populator is not None:
+            self.populator.stop()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            self.populator.record()
         if self.block:
             self.libc.free(self.block)
             self.block = 0
@@ -152,7 +162,7 @@ def release() -> None:
 @contextlib.contextmanager
 def huge_page_arena(nbytes: int, wait: bool = True) -> Iterator[bool]:
     """While inside, large `malloc`s of this thread (MLX's CPU buffers) come from `nbytes` of memory that is
-    already faulted in, in huge pages where the machine gives them fast (see _populate): the reservation made by
+    already faulted in, in huge pages where the machine gives them fast (see _Populator): the reservation made by
     reserve() when there is one big enough, else one made here.
 
     `wait=False` (reading from disk, which is slower than faulting memory in): the faulting goes on in the
@@ -212,8 +222,9 @@ def _cores() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _populate(libc, start: int, end: int, workers: int) -> None:
-    """Fault [start, end) in on `workers` threads, choosing the page size chunk by chunk.
+class _Populator:
+    """Faults [start, end) in, 32 MiB at a time, on every thread that calls work() (run() starts some), choosing
+    the page size chunk by chunk.
 
     Huge pages are the fast way in (one fault per 2 MiB) where the kernel hands out memory that is really there.
     On a VM with free-page reporting (the 2-core VMs this is benchmarked on), free 2 MiB blocks are handed back to
@@ -224,46 +235,63 @@ def _populate(libc, start: int, end: int, workers: int) -> None:
     4 KiB pages throughout. One call per 32 MiB either way (MADV_POPULATE_WRITE), not one fault per page.
     Nothing here changes a byte of the memory's contents; it only decides how the pages arrive.
     """
-    chunks = [(a, min(_POPULATE_CHUNK, end - a)) for a in range(start, end, _POPULATE_CHUNK)]
-    # Little free memory: the kernel must reclaim (page cache) to serve us, and a huge page then costs a direct
-    # compaction on top. Plain pages only, then.
-    plenty = _free_bytes() > 2 * (end - start)
-    state = {"huge": plenty, "probe": plenty, "small_run": 0, "failed": False, "huge_bytes": 0, "small_bytes": 0}
-    if not plenty:
-        libc.madvise(start, end - start, _MADV_NOHUGEPAGE)
-    lock = threading.Lock()
 
-    def work(mine: list) -> None:
-        for addr, n in mine:
-            with lock:
-                if state["failed"]:
+    def __init__(self, libc, start: int, end: int):
+        self.libc, self.bytes = libc, end - start
+        self.started = self.done_at = time.perf_counter()
+        self.chunks = iter([(a, min(_POPULATE_CHUNK, end - a)) for a in range(start, end, _POPULATE_CHUNK)])
+        # Little free memory: the kernel must reclaim (page cache) to serve us, and a huge page then costs a
+        # direct compaction on top. Plain pages only, then.
+        plenty = _free_bytes() > 2 * self.bytes
+        self.state = {"huge": plenty, "probe": plenty, "small_run": 0, "failed": False, "stopped": False,
+                      "huge_bytes": 0, "small_bytes": 0}
+        if not plenty:
+            libc.madvise(start, self.bytes, _MADV_NOHUGEPAGE)
+        self.lock = threading.Lock()
+
+    def work(self) -> None:
+        """Take the next chunk until none is left (shared by every thread that calls this)."""
+        state, libc = self.state, self.libc
+        while True:
+            with self.lock:
+                chunk = None if state["failed"] or state["stopped"] else next(self.chunks, None)
+                if chunk is None:
                     return
                 huge = state["huge"]
                 if not huge and state["probe"]:
                     state["small_run"] += 1
                     huge = state["small_run"] % 32 == 0  # probe huge pages again now and then
+            addr, n = chunk
             if not huge and state["probe"]:
                 libc.madvise(addr, n, _MADV_NOHUGEPAGE)
             t = time.perf_counter()
             if libc.madvise(addr, n, _MADV_POPULATE_WRITE) != 0:
-                with lock:
+                with self.lock:
                     state["failed"] = True  # an older kernel: pages fault in on first touch instead
                 return
             rate = n / max(time.perf_counter() - t, 1e-9)
-            with lock:
+            with self.lock:
                 state["huge_bytes" if huge else "small_bytes"] += n
+                self.done_at = time.perf_counter()
                 if huge:
                     state["huge"] = rate >= _SLOW_HUGE
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(chunks[i::workers],)) for i in range(1, workers)]
-    for t in threads:
-        t.start()
-    work(chunks[0::workers])
-    for t in threads:
-        t.join()
-    last_populate.clear()
-    last_populate.update(state, seconds=time.perf_counter() - started, bytes=end - start)
+    def run(self, workers: int) -> None:
+        threads = [threading.Thread(target=self.work) for _ in range(workers - 1)]
+        for t in threads:
+            t.start()
+        self.work()
+        for t in threads:
+            t.join()
+
+    def stop(self) -> None:
+        """No more chunks: the memory will not be used (chunks under way finish)."""
+        with self.lock:
+            self.state["stopped"] = True
+
+    def record(self) -> None:
+        last_populate.clear()
+        last_populate.update(self.state, seconds=self.done_at - self.started, bytes=self.bytes)
 
 
 _streams: dict[int, tuple[mx.Stream, ...]] = {}
