@@ -28,9 +28,10 @@ the evaluation prose) and turns what it measures into a `Plan` that `compress` a
 
 - Mixed precision (`plan_mixed`): a diagonal-Fisher estimate of how much each linear's quantization error costs
   in calibration loss, `0.5 * sum F * (W - W_hat)^2` with F the sum over calibration windows of the squared
-  gradient of the window's negative log-likelihood. The tensors whose INT8 version saves the most estimated loss
-  per extra byte are kept at INT8, greedily, until the extra bytes reach `mixed_precision` x the bytes of the
-  quantized tensors at the store's scheme. Each chosen entry says so in its manifest "reason".
+  gradient of the window's negative log-likelihood. The tensors whose higher-precision version saves the most
+  estimated loss per extra byte are promoted, greedily, until the extra bytes reach `mixed_precision` x the bytes
+  of the quantized tensors at the store's scheme: an INT4/INT3 store keeps them at INT8, an INT8 store keeps them
+  exact (passthrough, in the runtime dtype, like the norms). Each chosen entry says so in its manifest "reason".
 
 - The INT3 gate (`int3_gate`): the written (not yet published) store is loaded cold, and its perplexity on the
   calibration text is compared with the source's; `evaluate.passes_gate` decides with the bound
@@ -60,7 +61,7 @@ from mlx.utils import tree_flatten
 
 from . import evaluate as ev
 from . import quant
-from .quant.reference import to_float32
+from .quant.reference import from_float32, storage_dtype, to_float32
 
 CALIBRATION_TEXT = "calibration"
 CALIBRATION_WINDOW = ev.DEFAULT_WINDOW  # the gate's windows: the whole calibration text, 1024 tokens at a time
@@ -259,14 +260,16 @@ def _module(model: nn.Module, path: str) -> nn.Module:
 
 @dataclass(frozen=True)
 class Quantizer:
-    scheme: str  # int8 | int4 | int3
+    scheme: str  # int8 | int4 | int3 | passthrough (exact: the weight in the runtime dtype)
     group_size: int
-    scale_dtype: str  # runtime dtype: INT4/INT3 scales and offsets are stored in it
+    scale_dtype: str  # runtime dtype: INT4/INT3 scales and offsets, and passthrough weights, are stored in it
     clip_search: bool = False
 
     def __call__(self, w: np.ndarray) -> np.ndarray:
         """float32 [r, c] -> the dequantized stored form, float32 (values as the runtime dtype holds them)."""
         w = np.ascontiguousarray(w, dtype=np.float32)
+        if self.scheme == "passthrough":
+            return to_float32(from_float32(w, self.scale_dtype), self.scale_dtype)
         if self.scheme == "int8":
             q, s = quant.quantize_int8(w)
             out = quant.dequantize_int8(q, s, out_dtype=self.scale_dtype)
@@ -280,6 +283,8 @@ class Quantizer:
         return df(q, s, z, group_size=self.group_size, scale_dtype=self.scale_dtype, out_dtype="float32")
 
     def nbytes(self, rows: int, cols: int) -> int:
+        if self.scheme == "passthrough":
+            return rows * cols * np.dtype(storage_dtype(self.scale_dtype)).itemsize
         if self.scheme == "int8":
             return rows * cols + 4 * rows
         per = 2 if self.scale_dtype != "float32" else 4
@@ -456,8 +461,9 @@ def plan_mixed(
     high: Quantizer,
     budget: float,
 ) -> tuple[list[str], dict[str, Any]]:
-    """Which of `names` (tensors the store quantizes with `base`) to keep at `high` instead, greedily by
-    estimated loss saved per extra byte, within `budget` x their bytes at `base`. Returns (chosen, report)."""
+    """Which of `names` (tensors the store quantizes with `base`) to keep at `high` instead (INT8, or exact:
+    passthrough), greedily by estimated loss saved per extra byte, within `budget` x their bytes at `base`.
+    Returns (chosen, report)."""
     rows = []
     for name in names:
         w = transform.apply(name, weight(name))
@@ -504,16 +510,22 @@ class Plan:
     promote: dict[str, str] = field(default_factory=dict)  # name -> scheme
     reference_ppl: float | None = None
     record: dict[str, Any] = field(default_factory=dict)  # manifest keys
+    runtime: str = "float32"  # the store's runtime dtype
 
     def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
-        """The tensor as the store should hold it (float32 when rewritten), and its dtype name."""
-        if not self.transform.touches(name):
-            return array, src_dtype
-        return self.transform.apply(name, to_float32(array, src_dtype)), "float32"
+        """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
+        exact by mixed precision is held in the runtime dtype: what the runtime sees, and what the budget counted."""
+        if self.transform.touches(name):
+            array, src_dtype = self.transform.apply(name, to_float32(array, src_dtype)), "float32"
+        if self.promote.get(name) == "passthrough" and src_dtype != self.runtime:
+            array, src_dtype = from_float32(to_float32(array, src_dtype), self.runtime), self.runtime
+        return array, src_dtype
 
     def scheme(self, name: str, scheme: str, reason: str) -> tuple[str, str]:
-        if scheme in ("int4", "int3") and name in self.promote:
-            return self.promote[name], f"mixed precision: kept at {self.promote[name]} (measured sensitivity)"
+        if scheme != "passthrough" and name in self.promote:
+            kept = self.promote[name]
+            what = "exact (runtime dtype)" if kept == "passthrough" else f"at {kept}"
+            return kept, f"mixed precision: kept {what} (measured sensitivity)"
         return scheme, reason
 
     def manifest(self) -> dict[str, Any]:
@@ -524,18 +536,19 @@ def prepare(provider, opts, choose_scheme: Callable[[str, tuple, Any], tuple[str
     """The calibration plan for `compress` with options `opts` (CompressOptions), or None when it needs none.
 
     Runs the source model only for what was asked: AWQ (`opts.awq`, any format), mixed precision
-    (`opts.mixed_precision` > 0, INT4/INT3 stores), the INT3 gate's reference perplexity (format int3).
+    (`opts.mixed_precision` > 0: INT4/INT3 stores promote to INT8, INT8 stores keep tensors exact), the INT3
+    gate's reference perplexity (format int3).
     `choose_scheme` is compress's own rule.
     """
     want_awq = bool(opts.awq)
-    want_mixed = opts.mixed_precision > 0 and opts.format in ("int4", "int3")
+    want_mixed = opts.mixed_precision > 0
     want_gate = opts.format == "int3" and opts.int3_gate
     if not (want_awq or want_mixed or want_gate):
         return None
     started = time.perf_counter()
     runtime = opts.dtype or _runtime_dtype(provider)
     base = Quantizer(opts.format, opts.group_size, runtime, opts.clip_search)
-    high = Quantizer("int8", opts.group_size, runtime)
+    high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.group_size, runtime)
     model, tokenizer = source_model(provider)
     params = dict(tree_flatten(model.parameters()))
 
@@ -546,7 +559,7 @@ def prepare(provider, opts, choose_scheme: Callable[[str, tuple, Any], tuple[str
         scheme, _ = choose_scheme(name, tuple(params[provider.mlx_name(name)].shape), opts)
         return base if scheme == opts.format else None
 
-    plan = Plan()
+    plan = Plan(runtime=runtime)
     groups, why_not = scale_groups(model, provider) if want_awq else ([], None)
     _log(f"running the source model in float32 on the calibration text ({provider.reader.path})")
     calib = collect(model, tokenizer, groups, samples=opts.calibration_samples, max_tokens=opts.calibration_max_tokens)
@@ -588,7 +601,7 @@ def prepare(provider, opts, choose_scheme: Callable[[str, tuple, Any], tuple[str
         )
         plan.promote = {n: high.scheme for n in chosen}
         plan.record["mixed_precision"] = report
-        _log(f"mixed precision: {len(chosen)} of {len(names)} tensors kept at {high.scheme} "
+        _log(f"mixed precision: {len(chosen)} of {len(names)} tensors kept as {high.scheme} "
              f"(+{report['extra_bytes'] / 1e6:.2f} MB), {time.perf_counter() - t0:.1f} s")
     plan.record.setdefault("calibration", {})["seconds"] = round(time.perf_counter() - started, 1)
     return plan

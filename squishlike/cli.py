@@ -67,8 +67,9 @@ def add_compress(sub) -> None:
                        help="activation-aware per-channel scaling (AWQ), folded into the norms; the stored form "
                        "stays plain INT8/INT4/INT3")
     calib.add_argument("--mixed-precision", type=float, default=0.0, action=_Calibrates, metavar="FRACTION",
-                       help="INT4/INT3: keep the most sensitive tensors (measured) at INT8, within FRACTION more "
-                       "bytes than the quantized tensors take (e.g. 0.1)")
+                       help="keep the most sensitive tensors (measured) at more bits: at INT8 in an INT4/INT3 "
+                       "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "
+                       "the quantized tensors take (e.g. 0.1)")
     calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
                        help="INT3 accuracy gate: the 3-bit tier is built only if calibration perplexity rises by at "
                        "most F (default 0.08, +8%%)")

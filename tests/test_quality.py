@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from test_tiers import ALL, TOKENS, assert_same_weights
-from tiny_models import TINY_CONFIGS, cosine, logits, make_hf_model
+from test_tiers import ALL, TOKENS
+from tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logits, make_hf_model
 
 import squishlike
 from squishlike import calibrate
@@ -93,28 +93,44 @@ def test_awq_store_is_plain_int4_and_identical_in_every_tier(loud_llama, tmp_pat
     assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) > 0.9  # still the same model, roughly
 
 
-def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path):
-    out = squishlike.compress(loud_llama, tmp_path / "mixed", format="int4", mixed_precision=0.25,
-                              calibration_max_tokens=CALIB_TOKENS, tiers=ALL)
+@pytest.mark.parametrize("fmt,kept,options", [
+    ("int4", "int8", {}),
+    ("int8", "passthrough", {}),
+    ("int8", "passthrough", {"awq": True, "dtype": "bfloat16"}),  # kept exact in the runtime dtype, not float32
+])
+def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, kept, options):
+    """INT4/INT3 stores keep the most sensitive tensors at INT8; INT8 stores keep them exact (passthrough)."""
+    out = squishlike.compress(loud_llama, tmp_path / "mixed", format=fmt, mixed_precision=0.25,
+                              calibration_max_tokens=CALIB_TOKENS, tiers=ALL, **options)
     manifest = json.loads((out / "manifest.json").read_text())
     report = manifest["mixed_precision"]
     promoted = report["tensors"]
-    assert promoted and report["extra_bytes"] <= 0.25 * report["base_bytes"]
+    assert promoted and report["extra_bytes"] <= 0.25 * report["base_bytes"] and report["promoted_to"] == kept
     assert report["estimated_loss_increase"]["mixed"] < report["estimated_loss_increase"]["all_base"]
     entries = manifest["tensors"]
     for name, e in entries.items():
         if name in promoted:
-            assert e["scheme"] == "int8" and e["reason"].startswith("mixed precision") and "error" in e
+            assert e["scheme"] == kept and e["reason"].startswith("mixed precision"), name
+            assert ("error" in e) == (kept != "passthrough")
         elif name.startswith("layers.") and name.endswith(".weight") and "norm" not in name:
-            assert e["scheme"] == "int4", name
+            assert e["scheme"] == fmt, name
+    store = NpyDir(out)
     cold, _ = squishlike.load(out)
-    int4, _ = squishlike.load(out, tier="int4")
-    modules = dict(int4.named_modules())
-    for name in promoted:  # the 4-bit tier holds the INT8 tensors dense
-        mlx_path = NpyDir(out).entries[name]["source_name"].removesuffix(".weight")
-        assert type(modules[mlx_path]) is nn.Linear
-    assert any(isinstance(m, nn.QuantizedLinear) for m in modules.values())
-    for tier in ("int4", "mlx", "finalized", "cold"):
+    if kept == "passthrough":  # exact: stored in the runtime dtype, what the budget counted
+        assert all(entries[name]["stored_dtype"] == store.runtime_dtype for name in promoted)
+        if not options:  # float32 source and runtime, no scaling: the source's own values
+            with WeightProvider.open(loud_llama) as provider:
+                for name in promoted:
+                    assert np.array_equal(store.dequantize(name), np.array(provider.get(name))), name
+        tiers = ("mlx", "finalized", "cold")
+    else:
+        int4, _ = squishlike.load(out, tier="int4")
+        modules = dict(int4.named_modules())
+        for name in promoted:  # the 4-bit tier holds the INT8 tensors dense
+            assert type(modules[store.entries[name]["source_name"].removesuffix(".weight")]) is nn.Linear
+        assert any(isinstance(m, nn.QuantizedLinear) for m in modules.values())
+        tiers = ("int4", "mlx", "finalized", "cold")
+    for tier in tiers:
         assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
 
 
