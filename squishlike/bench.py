@@ -931,8 +931,8 @@ def plot(result: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     f = result["figures"]
-    rows = [(fig["label"], fig["wall_s"], fig["group"]) for fig in f.values()
-            if fig["group"] in ("warm", "first", "cold", "floor", "disk")]
+    rows = [(fig["label"], fig["wall_s"], "floor" if key == "startup" else fig["group"]) for key, fig in f.items()
+            if fig["group"] in ("warm", "first", "cold", "floor", "disk")]  # the startup floor is a floor
     colors = {"warm": "#4c72b0", "first": "#dd8452", "cold": "#55a868", "floor": "#8c8c8c", "disk": "#b0b0b0"}
     fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
     ys = list(range(len(rows)))[::-1]
