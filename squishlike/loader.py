@@ -5,17 +5,18 @@ MLX, GGUF, Ollama) loads straight through the provider. Either way the result is
 
 Why mlx_lm is imported inside `load`, not here: importing it (and with it transformers) takes about a second of
 single-threaded Python, and the other big cost of a warm load on the machines this is benchmarked on is faulting in
-the fresh memory the weights land in. So `load` of an npy-dir starts that fault-in on a background thread
-(tiers.prepare_memory: threads that only call madvise) and imports meanwhile; then it reads the weights into the
-faulted memory on this thread (mx.eval releases the GIL) while a worker thread builds the tokenizer.
-The imports stay on this thread: importing mlx_lm creates an MLX stream (mlx_lm.generate's), and MLX streams
-belong to the thread that made them (one made on a worker that then exits aborts the process at exit).
+the fresh memory the weights land in. So `load` of an npy-dir starts that fault-in (and a read-ahead of evicted
+tier files) on a background thread (tiers.prepare_memory: threads that only call madvise and fadvise) and imports
+meanwhile; then it reads the weights into the faulted memory, builds the model, then the tokenizer.
+Everything that touches MLX or imports mlx_lm stays on this thread: importing mlx_lm creates an MLX stream
+(mlx_lm.generate's), and MLX streams belong to the thread that made them (one made on a worker that then exits
+aborted the process at exit). Building the tokenizer on a worker thread beside the weights was tried and measured
+slower (the two fight for 2 cores and the GIL): 0.3-1.2 s per load on the 1.5B-shaped model.
 """
 
 from __future__ import annotations
 
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,17 +54,13 @@ def load(
         try:
             import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
 
-            eos_token_ids = {**store.config(), **(model_config or {})}.get("eos_token_id")
-            with ThreadPoolExecutor(1, thread_name_prefix="squishlike-tokenizer") as pool:
-                tokenizer = pool.submit(_tokenizer, store.path, store.path, tokenizer_config, trust_remote_code,
-                                        eos_token_ids)
-                loaded = load_weights(store, tier, lazy)
-                model = _model(loaded.config, loaded.weights, model_config, lazy, trust_remote_code, store.path,
-                               store.path)
-                tokenizer = tokenizer.result()
+            loaded = load_weights(store, tier, lazy)
         finally:
             release_memory()  # a reservation no load used (an error before load_weights)
         config = loaded.config
+        model = _model(config, loaded.weights, model_config, lazy, trust_remote_code, store.path, store.path)
+        eos_token_ids = config.get("eos_token_id")
+        tokenizer = _tokenizer(store.path, store.path, tokenizer_config, trust_remote_code, eos_token_ids)
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")

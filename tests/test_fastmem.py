@@ -1,6 +1,6 @@
-"""The fast-memory path of a load (tiers/fastmem.py, loader.load): memory faulted in ahead on a background thread,
-MLX's buffers carved from it, the tokenizer built beside the weights. It changes where bytes land, never what they
-are; and a fresh process that loads, generates and exits must exit cleanly."""
+"""The fast-memory path of a load (tiers/fastmem.py, loader.load): memory faulted in ahead on a background thread
+while mlx_lm imports, MLX's buffers carved from it. It changes where bytes land, never what they are; and a fresh
+process that loads, generates and exits must exit cleanly."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_fresh_process_loads_generates_and_exits_cleanly(int4_store, tier):
     # mlx_lm is imported by load itself here, not before it: its import creates an MLX stream, which must be made
     # on the main thread (one made on a worker thread aborted the process at exit, in most runs, not all: so 3).
     load = f"import sys, squishlike\nmodel, tokenizer = squishlike.load(sys.argv[1], tier={tier!r})\n"
-    generate = "import mlx_lm\nprint(repr(mlx_lm.generate(model, tokenizer, 'The capital of France is', max_tokens=4)))\n"
+    generate = ("import mlx_lm\n"
+                "print(repr(mlx_lm.generate(model, tokenizer, 'The capital of France is', max_tokens=4)))\n")
     for script in (load, load, load, load + generate):
         done = subprocess.run([sys.executable, "-c", script, str(int4_store)], capture_output=True, text=True,
                               timeout=120)
