@@ -384,6 +384,24 @@ def _qwen_tensors(c: dict):
     yield "model.norm.weight", (h,)
 
 
+def _built(dest: Path) -> bool:
+    """Whether a benchmark input was built completely (see _build_into)."""
+    return (dest / ".complete").is_file()
+
+
+@contextlib.contextmanager
+def _build_into(dest: Path):
+    """Build a benchmark input in a temporary sibling of `dest` (yielded, not created); only when the body finishes
+    is it marked complete and renamed to `dest`, so an interrupted build is redone, never half used."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    yield tmp
+    (tmp / ".complete").write_text("")
+    os.replace(tmp, dest)
+
+
 def build_qwen_like(dest: Path, tokenizer_from: Path | None, config: dict = QWEN_1_5B, seed: int = 0) -> Path:
     """An HF directory with the exact shapes of a Qwen2-class model and random bf16 weights (N(0, 0.02), norms 1).
 
@@ -392,47 +410,42 @@ def build_qwen_like(dest: Path, tokenizer_from: Path | None, config: dict = QWEN
     import numpy as np
 
     dest = Path(dest)
-    if (dest / ".complete").is_file():
+    if _built(dest):
         return dest
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    bits = (rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).view(np.uint32)
-    pool = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
-    tensors = list(_qwen_tensors(config))
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape in tensors:
-        n = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(tmp / "model.safetensors", "wb") as f:
-        f.write(len(blob).to_bytes(8, "little") + blob)
+    with _build_into(dest) as tmp:
+        tmp.mkdir(parents=True)
+        rng = np.random.default_rng(seed)
+        bits = (rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).view(np.uint32)
+        pool = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
+        tensors = list(_qwen_tensors(config))
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, shape in tensors:
-            n = math.prod(shape)
-            if len(shape) == 1:
-                f.write((np.full(n, 0x3F80, np.uint16) if "norm" in name else pool[:n]).tobytes())
-                continue
-            start = int(rng.integers(0, len(pool)))
-            while n:
-                take = min(n, len(pool) - start)
-                f.write(memoryview(pool[start:start + take]))
-                n -= take
-                start = 0
-        os.fsync(f.fileno())
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    if tokenizer_from is not None:
-        for name in TOKENIZER_FILES:
-            if (tokenizer_from / name).is_file():
-                shutil.copy2(tokenizer_from / name, tmp / name)
-    else:
-        _small_tokenizer(tmp)
-    (tmp / ".complete").write_text("")
-    os.replace(tmp, dest)
+            n = math.prod(shape) * 2
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(tmp / "model.safetensors", "wb") as f:
+            f.write(len(blob).to_bytes(8, "little") + blob)
+            for name, shape in tensors:
+                n = math.prod(shape)
+                if len(shape) == 1:
+                    f.write((np.full(n, 0x3F80, np.uint16) if "norm" in name else pool[:n]).tobytes())
+                    continue
+                start = int(rng.integers(0, len(pool)))
+                while n:
+                    take = min(n, len(pool) - start)
+                    f.write(memoryview(pool[start:start + take]))
+                    n -= take
+                    start = 0
+            os.fsync(f.fileno())
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_from / name).is_file():
+                    shutil.copy2(tokenizer_from / name, tmp / name)
+        else:
+            _small_tokenizer(tmp)
     return dest
 
 
@@ -455,26 +468,21 @@ def _small_tokenizer(dest: Path) -> None:
 def build_smollm_source(dest: Path) -> Path:
     """The embedded SmolLM2-135M (GGUF) as an MLX directory in bfloat16, its release dtype: mlx_lm.load's input."""
     dest = Path(dest)
-    if (dest / ".complete").is_file():
+    if _built(dest):
         return dest
     import mlx.core as mx
 
     import squishlike
     from squishlike.default_model import default_model_path
 
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    squishlike.export(default_model_path(), "mlx", tmp)
-    for f in sorted(tmp.glob("model*.safetensors")):
-        weights, metadata = mx.load(str(f), return_metadata=True)
-        if any(v.dtype == mx.float32 for v in weights.values()):  # the GGUF dequantizes to float32
-            weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
-            mx.save_safetensors(str(f), weights, metadata=metadata or {"format": "mlx"})
-        del weights
-    (tmp / ".complete").write_text("")
-    os.replace(tmp, dest)
+    with _build_into(dest) as tmp:
+        squishlike.export(default_model_path(), "mlx", tmp)
+        for f in sorted(tmp.glob("model*.safetensors")):
+            weights, metadata = mx.load(str(f), return_metadata=True)
+            if any(v.dtype == mx.float32 for v in weights.values()):  # the GGUF dequantizes to float32
+                weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
+                mx.save_safetensors(str(f), weights, metadata=metadata or {"format": "mlx"})
+            del weights
     return dest
 
 
