@@ -60,25 +60,12 @@ def _run_op(job: dict) -> Any:
         squishlike.compress(job["src"], job["out"], **opts)
         return {"ok": True}
     if op == "load":
-        import squishlike
-        import squishlike.loader as loader
-
-        served = []
-        original = loader.load_weights
-
-        def recording(*a, **k):
-            loaded = original(*a, **k)
-            served.append(loaded.tier)
-            return loaded
-
-        loader.load_weights = recording
         import warnings
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model, _ = squishlike.load(job["path"], tier=job.get("tier"))
-        return {"tier": served[0] if served else None, "digest": weights_digest(model),
-                "warnings": [str(w.message) for w in caught]}
+            model, served = _load_recording_tier(job["path"], job.get("tier"))
+        return {"tier": served, "digest": weights_digest(model), "warnings": [str(w.message) for w in caught]}
     if op == "cli":
         import contextlib
         import io
@@ -337,8 +324,8 @@ def store_part(out: Path) -> dict[str, str]:
     return {k: v for k, v in digest.items() if k.startswith("tensors/") or k in keep}
 
 
-def load_in_process(path: Path, tier: str | None = None) -> tuple[str, str]:
-    """(tier that served, weights digest) for squishlike.load(path) in this process."""
+def _load_recording_tier(path, tier: str | None = None):
+    """(model, the tier that served it, or None) for squishlike.load(path, tier=tier) in this process."""
     import squishlike
     import squishlike.loader as loader
 
@@ -355,7 +342,13 @@ def load_in_process(path: Path, tier: str | None = None) -> tuple[str, str]:
         model, _ = squishlike.load(path, tier=tier)
     finally:
         loader.load_weights = original
-    return served[0], weights_digest(model)
+    return model, (served[0] if served else None)
+
+
+def load_in_process(path: Path, tier: str | None = None) -> tuple[str, str]:
+    """(tier that served, weights digest) for squishlike.load(path) in this process."""
+    model, served = _load_recording_tier(path, tier)
+    return served, weights_digest(model)
 
 
 def labels_of(log: Path) -> list[str]:
