@@ -109,7 +109,7 @@ def _child_load(loader: str, path: str, tier: str | None, forward: bool) -> dict
 
         _timed(loader_module, "load_weights", phases, "weights_s", keep=lambda r: phases.__setitem__("tier", r.tier))
         _timed(loader_module, "_model", phases, "model_s")
-        _timed(loader_module, "_tokenizer", phases, "tokenizer_s")  # on its own thread, beside the weights
+        _timed(loader_module, "_tokenizer", phases, "tokenizer_s")
     t_import = time.monotonic()
     rss_import = _rss_now()
     model, tokenizer = load(path) if loader == "mlx_lm" else load(path, tier=tier)

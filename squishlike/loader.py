@@ -58,9 +58,8 @@ def load(
         finally:
             release_memory()  # a reservation no load used (an error before load_weights)
         config = loaded.config
-        model = _model(config, loaded.weights, model_config, lazy, trust_remote_code, store.path, store.path)
-        eos_token_ids = config.get("eos_token_id")
-        tokenizer = _tokenizer(store.path, store.path, tokenizer_config, trust_remote_code, eos_token_ids)
+        model, tokenizer = _assemble(config, loaded.weights, store.path, tokenizer_config, model_config, lazy,
+                                     trust_remote_code, source=store.path)
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")
@@ -73,10 +72,8 @@ def load(
             with tempfile.TemporaryDirectory(prefix="squishlike-side-") as side_files:
                 provider.write_side_files(Path(side_files))
                 config = load_config(Path(side_files))
-                source = provider.reader.path
-                model = _model(config, weights, model_config, lazy, trust_remote_code, Path(side_files), source)
-                tokenizer = _tokenizer(Path(side_files), source, tokenizer_config, trust_remote_code,
-                                       config.get("eos_token_id"))
+                model, tokenizer = _assemble(config, weights, Path(side_files), tokenizer_config, model_config, lazy,
+                                             trust_remote_code, source=provider.reader.path)
     if adapter_path is not None:
         from mlx_lm.utils import load_adapters
 
@@ -85,9 +82,17 @@ def load(
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
+def _assemble(config, weights, side_files: Path, tokenizer_config, model_config, lazy, trust_remote_code, source):
+    """(model, tokenizer) as mlx_lm.load builds them: the model first (model_config may set the eos ids the
+    tokenizer then takes from config). `source`: the model the user named (errors name it, and a trusted
+    `model_file` is looked up beside it)."""
+    model = _model(config, weights, model_config, lazy, trust_remote_code, side_files, source)
+    tokenizer = _tokenizer(side_files, source, tokenizer_config, trust_remote_code, config.get("eos_token_id"))
+    return model, tokenizer
+
+
 def _model(config, weights, model_config, lazy, trust_remote_code, side_files: Path, source) -> nn.Module:
-    """The mlx_lm model; `source`: the model the user named (errors name it, and a trusted `model_file` is looked
-    up beside it)."""
+    """The mlx_lm model (_model and _tokenizer are separate functions so that the benchmark can time each)."""
     from .model import build_model
 
     if model_config:
