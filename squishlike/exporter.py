@@ -16,7 +16,6 @@ once complete and the manifest is written last, so a failed export leaves nothin
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -309,28 +308,3 @@ def export_ollama(
     finally:
         shutil.rmtree(side, ignore_errors=True)
 
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="model to export: a directory, a .gguf file, or an Ollama name:tag")
-    parser.add_argument("--to", required=True, choices=TARGETS, help="output format")
-    parser.add_argument("-o", "--output", required=True, type=Path,
-                        help="output directory (for --to ollama: the store root, e.g. ~/.ollama/models)")
-    parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights (mlx, ollama)")
-    parser.add_argument("--q-bits", type=int, default=None, help="bits per weight (default: 4 for affine)")
-    parser.add_argument("--q-group-size", type=int, default=None, help="group size (default: 64 for affine)")
-    parser.add_argument("--q-mode", default="affine", choices=list(MODE_DEFAULTS), help="quantization mode")
-    parser.add_argument("--ollama-name", default=None, help="model name for --to ollama (name[:tag])")
-    parser.add_argument("--force", action="store_true", help="replace an existing output")
-
-
-def run_export(args: argparse.Namespace) -> int:
-    out = export(
-        args.src, args.to, args.output,
-        quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size, q_mode=args.q_mode,
-        force=args.force, ollama_name=args.ollama_name,
-    )
-    print(out)
-    return 0

@@ -11,8 +11,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import squishlike.exporter
+from squishlike.cli.export import add_arguments as add_export_arguments
+from squishlike.cli.export import run as run_export
 from squishlike.errors import OutputExistsError, QuantizationError
-from squishlike.exporter import add_export_arguments, export, run_export
+from squishlike.exporter import export
 from squishlike.formats import detect_format, open_reader
 from squishlike.formats.mlx import MLXReader
 from squishlike.formats.safetensors import HFReader

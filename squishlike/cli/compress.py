@@ -1,0 +1,81 @@
+"""Compress a model (HF safetensors dir, MLX dir, GGUF file, Ollama model, or a Hugging Face repo already in the
+local cache) into an npy-dir that `squishlike.load` opens. Linear weights are quantized; embeddings, norms, biases
+and outliers stay exact."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "store a model compressed at rest (an npy-dir)"
+
+
+class _Calibrates(argparse.Action):
+    """Stores an option; one that makes compress run the model in float32 (AWQ, mixed precision, the INT3 gate)
+    also asks main() to restart with OpenBLAS preloaded (`fast_blas`), as eval does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = True if self.nargs == 0 else values
+        setattr(namespace, self.dest, value)
+        if value not in (False, 0, 0.0, "int8", "int4"):  # True, a fraction > 0, or "int3" (the gate)
+            namespace.fast_blas = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..compressor import ALL_TIERS, FORMATS
+
+    parser.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
+    parser.add_argument("-o", "--output", required=True, type=Path,
+                        help="output npy-dir (must not exist or be empty)")
+    parser.add_argument("--format", choices=FORMATS, default="int8", action=_Calibrates,
+                        help="scheme for linear weights (default: int8)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="INT4/INT3 group size: 32, 64 (default) or 128 (int4)")
+    parser.add_argument("--passthrough", nargs="+", default=[], metavar="PATTERN",
+                        help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
+    parser.add_argument("--quantize-embeddings", action="store_true", help="quantize the embedding and lm_head too")
+    parser.add_argument("--clip-search", action="store_true",
+                        help="INT4/INT3: per-group clip search (lower error, slower)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="runtime dtype (default: the source's float dtype; bfloat16 for quantized sources)")
+    parser.add_argument("--tiers", type=lambda s: tuple(t for t in s.split(",") if t), metavar="LIST",
+                        help=f"caches to build on first load, comma-separated from {','.join(ALL_TIERS)} "
+                        "(default: mlx plus the store's quantized tier)")
+    parser.add_argument("--force", action="store_true", help="replace an existing npy-dir at OUTPUT")
+    calib = parser.add_argument_group(
+        "calibration", "these run the source model in float32 on the shipped calibration text"
+    )
+    calib.add_argument("--awq", action=_Calibrates, nargs=0, default=False,
+                       help="activation-aware per-channel scaling (AWQ), folded into the norms; the stored form "
+                       "stays plain INT8/INT4/INT3")
+    calib.add_argument("--mixed-precision", type=float, default=0.0, action=_Calibrates, metavar="FRACTION",
+                       help="keep the most sensitive tensors (measured) at more bits: at INT8 in an INT4/INT3 "
+                       "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "
+                       "the quantized tensors take (e.g. 0.1)")
+    calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
+                       help="INT3 accuracy gate: the 3-bit tier is built only if calibration perplexity rises by at "
+                       "most F (default 0.08, +8%%)")
+    calib.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                       help="use only the first N tokens of the calibration text (default: all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..compressor import compress
+
+    compress(
+        args.src,
+        args.output,
+        format=args.format,
+        group_size=args.group_size,
+        passthrough=tuple(args.passthrough),
+        quantize_embeddings=args.quantize_embeddings,
+        clip_search=args.clip_search,
+        dtype=args.dtype,
+        tiers=args.tiers,
+        force=args.force,
+        awq=args.awq,
+        mixed_precision=args.mixed_precision,
+        int3_max_ppl_increase=args.int3_max_ppl_increase,
+        calibration_max_tokens=args.calibration_tokens,
+    )
+    return 0
