@@ -4,7 +4,8 @@
     squishlike.compress("model-dir", "model-int4", format="int4")
     model, tokenizer = squishlike.load("model-int4")     # same arguments and result as mlx_lm.load
 
-The public API is these names; everything else is an implementation detail.
+The public API is the names in `__all__`: `load`, `compress`, `open_weights`, `export`, `__version__`, and the
+`errors` module whose exceptions they raise. Everything else is an implementation detail.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from importlib import import_module
 
 __version__ = "0.1.0"
 
-# name -> module; imported on first use so `import squishlike` (and `squishlike --help`) stays fast.
+# name -> module that defines it; imported on first use so `import squishlike` (and `squishlike --help`) stays fast.
 _API = {
     "load": "loader",
     "compress": "compressor",
@@ -21,10 +22,16 @@ _API = {
     "export": "exporter",
 }
 
-__all__ = [*_API, "__version__"]
+__all__ = [*_API, "errors", "__version__"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _API:
         return getattr(import_module(f".{_API[name]}", __name__), name)
+    if name == "errors":
+        return import_module(".errors", __name__)
     raise AttributeError(f"module 'squishlike' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -84,9 +84,70 @@ class CompressOptions:
             raise ValueError(f"unknown tier(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_TIERS)}")
 
 
-def compress(src: str | Path, out: str | Path, **options) -> Path:
-    """Compress `src` (HF dir, MLX dir, GGUF file, Ollama model, cached HF repo id) into the npy-dir `out`."""
-    opts = CompressOptions(**options)
+def compress(
+    src: str | Path,
+    out: str | Path,
+    *,
+    format: str = "int8",
+    group_size: int = 64,
+    passthrough: tuple[str, ...] = (),
+    quantize_embeddings: bool = False,
+    clip_search: bool = False,
+    dtype: str | None = None,
+    tiers: tuple[str, ...] | None = None,
+    force: bool = False,
+    awq: bool = False,
+    mixed_precision: float = 0.0,
+    int3_gate: bool = True,
+    int3_max_ppl_increase: float = 0.08,
+    calibration_samples: int = 512,
+    calibration_max_tokens: int | None = None,
+) -> Path:
+    """Compress `src` (HF dir, MLX dir, GGUF file, Ollama model, cached HF repo id) into the npy-dir `out`.
+
+    Returns the absolute path of `out`. Options:
+
+    - format: the scheme of linear weights, "int8", "int4" or "int3".
+    - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64).
+    - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
+    - quantize_embeddings: quantize the token embedding and lm_head too.
+    - clip_search: INT4/INT3 per-group clip search (lower error, slower).
+    - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
+      quantized source.
+    - tiers: the caches the first load builds, from "mlx", "finalized", "int4", "int3"; None: mlx plus the store's
+      quantized tier.
+    - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
+
+    Calibration options run the source model in float32 on the shipped calibration text:
+
+    - awq: activation-aware per-input-channel scaling, folded into norms; the stored form stays plain.
+    - mixed_precision: keep the most sensitive tensors at more bits (INT8 in an INT4/INT3 store, exact in an INT8
+      store) within this fraction of extra bytes over the quantized tensors, in [0, 1].
+    - int3_gate: INT3 only: measure the accuracy gate; the 3-bit tier is built only for a store that passes it.
+    - int3_max_ppl_increase: the gate's bound on the calibration-perplexity increase (0.08: +8 %).
+    - calibration_samples: input rows per linear kept for the AWQ error search.
+    - calibration_max_tokens: use only the first N calibration tokens (None: all).
+
+    Raises ValueError for an invalid option value, OutputExistsError when `out` holds something and `force` is
+    not set, DirectoryBusyError when another process compresses into `out`, and the errors of
+    squishlike.errors for a source that cannot be read.
+    """
+    opts = CompressOptions(
+        format=format,
+        group_size=group_size,
+        passthrough=passthrough,
+        quantize_embeddings=quantize_embeddings,
+        clip_search=clip_search,
+        dtype=dtype,
+        tiers=tiers,
+        force=force,
+        awq=awq,
+        mixed_precision=mixed_precision,
+        int3_gate=int3_gate,
+        int3_max_ppl_increase=int3_max_ppl_increase,
+        calibration_samples=calibration_samples,
+        calibration_max_tokens=calibration_max_tokens,
+    )
     opts.validate()
     out = Path(out).expanduser().absolute()
     _check_output(out, opts.force)

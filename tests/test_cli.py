@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -28,6 +29,26 @@ def test_help_explains_every_command():
     for command in ("compress", "generate", "inspect", "verify", "export", "eval", "bench", "demo"):
         assert command in out
     assert "--group-size" in cli("compress", "--help").stdout
+
+
+def test_version():
+    assert cli("--version").stdout.strip() == f"squishlike {squishlike.__version__}"
+
+
+def test_public_api_names_and_signature(tmp_path):
+    assert dir(squishlike) == sorted(["load", "compress", "open_weights", "export", "errors", "__version__"])
+    assert sorted(squishlike.__all__) == dir(squishlike)
+    for name in squishlike.__all__:
+        assert getattr(squishlike, name) is not None
+    assert squishlike.errors.SquishError.__module__ == "squishlike.errors"
+    options = inspect.signature(squishlike.compress).parameters
+    assert options["group_size"].default == 64 and options["format"].kind is inspect.Parameter.KEYWORD_ONLY
+    for name in options:
+        if name not in ("src", "out"):
+            assert f"- {name}:" in squishlike.compress.__doc__, f"option {name} is not documented"
+    with pytest.raises(TypeError, match="fromat"):
+        squishlike.compress(tmp_path / "src", tmp_path / "out", fromat="int4")
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_source(tmp_path):
