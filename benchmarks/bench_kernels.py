@@ -3,7 +3,8 @@
 Measured in GB/s of output, in one run, against
 - a plain copy (np.copyto) of the same output bytes into memory that is already touched: the memory-speed ceiling;
 - the NumPy reference (squishlike.quant.reference), the spec the kernels must match bit for bit.
-Every method writes into buffers touched beforehand, so first-touch page faults (SPEC §7) are not part of any number.
+Every method writes into buffers touched beforehand, so first-touch page faults (docs/design.md §1.2) are not
+part of any number.
 The methods take turns within each repeat, so machine noise hits them alike; the table reports medians.
 
 Two workloads: one 4096x11008 matrix, and a ~1 GB (output) set of Llama-7B-shaped matrices. The NumPy reference is

@@ -1,4 +1,4 @@
-"""The quantization quality table (issue 6): every scheme squishlike stores, and mlx_lm's own 4-bit, against the
+"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own 4-bit, against the
 unquantized reference, on the shipped evaluation prose.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\

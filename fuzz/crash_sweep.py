@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The long crash sweep (issue 7): kill compress and the first load at every write/rename boundary and at many
+"""The long crash sweep: kill compress and the first load at every write/rename boundary and at many
 random moments, with SIGKILL and with SIGINT, and check after each that nothing was lost and nothing half-built is
 trusted (the checks are tests/crash_harness.py's CrashLab; tests/test_crash_safety.py runs a short version).
 

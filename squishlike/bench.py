@@ -19,10 +19,10 @@ One run measures, alternating the configurations round by round (A B C ... A B C
 Per figure: median, min, max of the runs, the peak RSS above the startup floor's (compress: above the child's
 own after its imports), the bytes on disk.
 
-Fresh memory on the VMs this project runs on is slow and its speed depends on history (SPEC §7; the VM hands free
-2 MiB blocks back to the host about 2 s after they are freed, and touching them again costs a host fault per
-4 KiB). Runs follow each other back to back, so every configuration starts right after another process freed a
-similar amount of memory. `--prime` makes that explicit: before each timed run the parent touches and frees as
+Fresh memory on a VM can be slow, and its speed depends on history (docs/design.md §2.3: a VM that reports free
+pages hands free 2 MiB blocks back to the host, and touching them again costs a host fault per 4 KiB).
+Runs follow each other back to back, so every configuration starts right after another process freed a similar
+amount of memory. `--prime` makes that explicit: before each timed run the parent touches and frees as
 much memory as the run needs, so every child starts with recently used memory.
 """
 

@@ -1,5 +1,5 @@
-"""Calibration-driven quantization quality (issue 6): activation statistics, AWQ-style scaling, mixed precision
-chosen by measured sensitivity, and the INT3 accuracy gate (SPEC §3).
+"""Calibration-driven quantization quality: activation statistics, AWQ-style scaling, mixed precision
+chosen by measured sensitivity, and the INT3 accuracy gate (docs/format.md §6.4).
 
 Everything here runs the *source* model in float32 on the shipped calibration text (`data/calibration.txt`, never
 the evaluation prose) and turns what it measures into a `Plan` that `compress` applies tensor by tensor:
@@ -21,10 +21,10 @@ the evaluation prose) and turns what it measures into a `Plan` that `compress` a
   `alpha` is searched per group (0, 0.1, ..., 1, then +-0.05 around the best; 0 is round-to-nearest) to minimise the
   output error ||X W^T - X W_hat^T||^2 on the sampled calibration inputs, W_hat being the weight as the store
   will hold it (same scheme, group size, scale dtype and clip search, dequantized in the runtime dtype) with the
-  scale divided back out. The store keeps the plain INT8/INT4/INT3 of SPEC §3 (scaled weights quantized as usual)
-  and the folded norms as passthrough, so every tier, the 4-bit repack included, is unchanged. Architectures: the
-  plain-RMSNorm decoder families (llama, mistral, qwen2, qwen3); others are compressed without scaling and the
-  manifest says why.
+  scale divided back out. The store keeps the plain INT8/INT4/INT3 of docs/format.md §4 (scaled weights quantized
+  as usual) and the folded norms as passthrough, so every tier, the 4-bit repack included, is unchanged.
+  Architectures: the plain-RMSNorm decoder families (llama, mistral, qwen2, qwen3); others are compressed without
+  scaling and the manifest says why.
 
 - Mixed precision (`plan_mixed`): a diagonal-Fisher estimate of how much each linear's quantization error costs
   in calibration loss, `0.5 * sum F * (W - W_hat)^2` with F the sum over calibration windows of the squared

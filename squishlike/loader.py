@@ -4,14 +4,12 @@ An npy-dir goes through the tier decision tree (squishlike/tiers); any other for
 MLX, GGUF, Ollama) loads straight through the provider. Either way the result is what mlx_lm.load returns.
 
 Why mlx_lm is imported inside `load`, not here: importing it (and with it transformers) takes about a second of
-single-threaded Python, and the other big cost of a warm load on the machines this is benchmarked on is faulting in
-the fresh memory the weights land in. So `load` of an npy-dir starts that fault-in (and a read-ahead of evicted
-tier files) on a background thread (tiers.prepare_memory: threads that only call madvise and fadvise) and imports
-meanwhile; then it reads the weights into the faulted memory, builds the model, then the tokenizer.
+single-threaded Python, and the other big cost of a warm load is faulting in the fresh memory the weights land in.
+So `load` of an npy-dir starts that fault-in (and a read-ahead of evicted tier files) on a background thread
+(tiers.prepare_memory: threads that only call madvise and fadvise) and imports meanwhile; then it reads the
+weights into the faulted memory, builds the model, then the tokenizer (docs/design.md §3).
 Everything that touches MLX or imports mlx_lm stays on this thread: importing mlx_lm creates an MLX stream
-(mlx_lm.generate's), and MLX streams belong to the thread that made them (one made on a worker that then exits
-aborted the process at exit). Building the tokenizer on a worker thread beside the weights was tried and measured
-slower (the two fight for 2 cores and the GIL): 0.3-1.2 s per load on the 1.5B-shaped model.
+(mlx_lm.generate's), and MLX streams belong to the thread that made them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Canonical-name access to a model's weights, whatever format holds them (SPEC §4, §5).
+"""Canonical-name access to a model's weights, whatever format holds them (docs/format.md §10, §12).
 
     with open_weights("model.gguf") as weights:
         q = weights.get("layers.3.attention.q.weight")   # canonical orientation, permutation undone

@@ -1,6 +1,6 @@
 """Every write squishlike makes goes through here: atomic files, atomic directories, locks, sentinels, checksums.
 
-The rules (SPEC §2): write to a temporary name in the same directory, fsync, rename into place, fsync the
+The rules (docs/format.md §8): write to a temporary name in the same directory, fsync, rename into place, fsync the
 directory. A crash at any moment leaves the old state or nothing, never a half-written file under its final name.
 Sentinels are written last and carry the size and checksum of every file of their tier, so a sentinel can only
 ever describe complete data.
@@ -446,8 +446,8 @@ class StreamWriter:
 
     The checksum runs on a second thread (hashlib releases the GIL), so hashing overlaps the writing. Where the
     filesystem takes it, data goes out with O_DIRECT through two page-aligned bounce buffers, one filling while
-    the other is written: no page-cache pages to allocate (on the VMs this runs on, fresh pages, page cache
-    included, are the slow part of writing) and nothing dirty left for the fsync. Anywhere else (tmpfs, no
+    the other is written: no page-cache pages to allocate (fresh pages are the slow part of writing,
+    docs/design.md §4.1) and nothing dirty left for the fsync. Anywhere else (tmpfs, no
     O_DIRECT, a crash test watching write boundaries) it falls back to plain buffered writes. Either way the bytes
     on disk and the record are the same. Use it through `atomic_stream`, which adds the temp name, fsync, rename.
     """

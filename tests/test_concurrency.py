@@ -1,4 +1,4 @@
-"""Concurrency (issue 7): processes that meet on one directory.
+"""Concurrency: processes that meet on one directory.
 
 - Four processes load the same fresh npy-dir at the same instant: none fails, all four get the same weights as a
   clean build, and each tier is built exactly once (counted from the fault hook's boundary log, per process).

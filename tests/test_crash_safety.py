@@ -1,4 +1,4 @@
-"""Crash safety (issue 7): nothing lost, nothing half-trusted.
+"""Crash safety: nothing lost, nothing half-trusted.
 
 `compress` and the first load's cache build are killed with a real SIGKILL at every write/rename boundary (through
 the fault hook in squishlike/storage.py) and at random moments, interrupted with SIGINT, starved of disk space

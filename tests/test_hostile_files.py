@@ -1,4 +1,4 @@
-"""Hostile input (issue 7): every crafted file of tests/hostile_corpus.py gets a typed error (squishlike.errors)
+"""Hostile input: every crafted file of tests/hostile_corpus.py gets a typed error (squishlike.errors)
 that names the file, and nothing in any of them is executed (no pickle, no model code, no tokenizer code)."""
 
 from __future__ import annotations

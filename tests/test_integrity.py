@@ -1,4 +1,4 @@
-"""Integrity (issue 7): `squishlike verify` checks every checksum and names what is wrong; load checks sizes and
+"""Integrity: `squishlike verify` checks every checksum and names what is wrong; load checks sizes and
 headers cheaply, and a tier found damaged at load is skipped with a warning and rebuilt from the store.
 
 Load deliberately does not re-hash tier data (that would cost as much as the load): a flipped bit inside a tier's

@@ -1,4 +1,4 @@
-"""Quantization quality machinery (issue 6) on tiny real-architecture models: AWQ folding, the stored form after
+"""Quantization quality machinery on tiny real-architecture models: AWQ folding, the stored form after
 scaling in every tier, mixed-precision entries in every tier, and the INT3 accuracy gate both ways.
 
 The quality targets themselves (SmolLM2-135M) are measured by benchmarks/quality.py, not here.

@@ -1,5 +1,5 @@
 """INT4/INT3 against MLX itself: our packing is MLX's, and our dequantization is mx.dequantize's, bit for bit, for
-every scale dtype and output dtype (the 4-bit tier repacks an INT4 store losslessly: SPEC §2 invariant)."""
+every scale dtype and output dtype (the 4-bit tier repacks an INT4 store losslessly: docs/format.md §6.6)."""
 
 from __future__ import annotations
 

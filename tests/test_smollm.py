@@ -1,4 +1,4 @@
-"""The embedded default, SmolLM2-135M (SPEC §6), end to end: compress, every tier, the invariant, Paris."""
+"""The embedded default, SmolLM2-135M (docs/format.md §13), end to end: compress, every tier, the invariant, Paris."""
 
 from __future__ import annotations
 

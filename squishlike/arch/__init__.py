@@ -1,6 +1,6 @@
 """Model families: which tensors a model has, what each file format calls them, and how their values differ.
 
-Every family is one rule table (SPEC §4). A rule row names one tensor four ways:
+Every family is one rule table (docs/format.md §10). A rule row names one tensor four ways:
 
 - `canonical`: the provider's name, e.g. `layers.3.attention.q.weight`;
 - `hf`: the name in a Hugging Face safetensors checkpoint;

@@ -1,6 +1,6 @@
 """GPT-2: learned position embeddings, LayerNorms with biases, one fused QKV projection, tied output.
 
-GPT-2's extra canonical rows (names follow the SPEC §4 scheme):
+GPT-2's extra canonical rows (names follow docs/format.md §10):
 - `position_embedding.weight`: the learned positions (`wpe`);
 - `layers.{n}.attention.qkv.{weight,bias}`: the fused Q/K/V projection (`c_attn`), rows Q, then K, then V;
 - `.bias` rows of every norm and projection.

@@ -1,4 +1,4 @@
-"""squishlike's own at-rest format: the npy-dir (SPEC §2).
+"""squishlike's own at-rest format: the npy-dir (docs/format.md §1-3).
 
     OUT/manifest.json     format, version, source, runtime dtype, cache policy, one entry per tensor
     OUT/tensors/{key}__{part}.npy
@@ -382,7 +382,7 @@ class NpyDir:
         return result.reshape(entry["shape"])
 
     def quantized(self, name: str) -> QuantizedTensor | None:
-        """The MLX triple of an INT4/INT3 tensor: a lossless repack of the store (SPEC §2 invariant)."""
+        """The MLX triple of an INT4/INT3 tensor: a lossless repack of the store (docs/format.md §6.6)."""
         entry = self.entry(name)
         scheme = entry["scheme"]
         if scheme not in ("int4", "int3"):

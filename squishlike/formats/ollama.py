@@ -1,4 +1,4 @@
-"""Ollama's safetensors model store (SPEC §5): the layout Ollama's MLX engine reads.
+"""Ollama's safetensors model store (docs/format.md §12): the layout Ollama's MLX engine reads.
 
     $OLLAMA_MODELS/manifests/<host>/<namespace>/<model>/<tag>   the manifest (JSON, schemaVersion 2)
     $OLLAMA_MODELS/blobs/sha256-<hex>                           content-addressed blobs, sha256 of their bytes

@@ -1,4 +1,4 @@
-"""The quantization schemes in plain NumPy. This file is the spec (SPEC §3): the Rust kernels behind
+"""The quantization schemes in plain NumPy. This file is the spec (docs/format.md §4): the Rust kernels behind
 `squishlike.quant` must produce the same bits for every input.
 
 Conventions shared by every function here and in `squishlike.quant`:

@@ -1,4 +1,4 @@
-"""The decision tree (SPEC §2): the first ready tier in ORDER serves the load; otherwise the cold path.
+"""The decision tree (docs/format.md §9): the first ready tier in ORDER serves the load; otherwise the cold path.
 
 Adding a tier means adding a module with a `Tier` subclass and one entry in ORDER.
 
@@ -78,9 +78,9 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
     ask the kernel to read ahead the files it will read if they are not in the page cache.
 
     For a caller with other work to do first (importing mlx_lm and transformers, building the tokenizer: ~1 s):
-    on the machines this is benchmarked on, getting fresh memory is most of a warm load, and reading the disk
-    most of a cold one; both can run beside that work instead of after it. load_weights then uses the
-    reservation (or releases it). Cheap: it only reads sentinels. Returns whether memory was reserved."""
+    getting fresh memory is most of a warm load, and reading the disk most of a cold one (docs/design.md §3.1);
+    both can run beside that work instead of after it. load_weights then uses the reservation (or releases it).
+    Cheap: it only reads sentinels. Returns whether memory was reserved."""
     if lazy:
         return False
     try:

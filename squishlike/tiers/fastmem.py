@@ -1,10 +1,10 @@
 """Getting weight bytes into MLX's memory fast: huge pages for fresh memory, and reads spread over CPU streams.
 
-Why (SPEC §7, measured on the 2-core VM this project is benchmarked on): the floor of a warm load is not the copy
-from the page cache but the first touch of fresh memory. `mx.load` preads into buffers that MLX's CPU allocator
-takes from glibc `malloc`, and glibc serves every large request with a fresh `mmap` in 4 KiB pages: one page
-fault per 4 KiB, ~0.4-1.5 GB/s here. The same bytes land several times faster in transparent huge pages (THP
-mode is `madvise` on these machines), but MLX never asks for them, and `mx.array` cannot wrap memory we allocate.
+Why (docs/design.md §1.2, §2): the floor of a warm load is not the copy from the page cache but the first touch
+of fresh memory. `mx.load` preads into buffers that MLX's CPU allocator takes from glibc `malloc`, and glibc
+serves every large request with a fresh `mmap` in 4 KiB pages: one page fault per 4 KiB. The same bytes land
+several times faster in transparent huge pages, but MLX never asks for them, and `mx.array` cannot wrap memory
+we allocate.
 
 So `huge_page_arena(n)` makes glibc's own allocator hand out huge-page memory for a while: it stops `malloc` from
 using `mmap` (M_MMAP_MAX=0, so large requests come from the main heap), grows the heap by `n` bytes in one block,
@@ -215,13 +215,11 @@ class _Populator:
     the page size chunk by chunk.
 
     Huge pages are the fast way in (one fault per 2 MiB) where the kernel hands out memory that is really there.
-    On a VM with free-page reporting (the 2-core VMs this is benchmarked on), free 2 MiB blocks are handed back to
-    the host after ~2 s, and faulting one in costs a host fault per 4 KiB: slower than 4 KiB pages, which the
-    kernel serves first from the small free fragments that stayed backed. Measured chunk by chunk, huge pages
-    come at 5-10 GB/s with runs of 4-16 chunks at ~0.4 GB/s in between (blocks the host must back), so each
-    chunk starts with one huge page as a probe: fast, the rest of the chunk follows in huge pages; slow, in 4 KiB
-    pages. (Free memory is no guide: with most of it in the page cache the kernel still hands out recently used
-    huge pages at ~9 GB/s.) One call per chunk (MADV_POPULATE_WRITE), not one fault per page.
+    On a VM with free-page reporting, a free 2 MiB block the host took back costs a host fault per 4 KiB to fault
+    in again: slower than 4 KiB pages, which the kernel serves first from small fragments that stayed backed
+    (docs/design.md §2.2). So each chunk starts with one huge page as a probe: fast, the rest of the chunk
+    follows in huge pages; slow, in 4 KiB pages. One call per chunk (MADV_POPULATE_WRITE), not one fault per
+    page.
     Nothing here changes a byte of the memory's contents; it only decides how the pages arrive.
     """
 

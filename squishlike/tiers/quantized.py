@@ -112,7 +112,7 @@ class Int4Tier(QuantizedTier):
 
 
 class Int3Tier(QuantizedTier):
-    """Only for a store whose 3-bit model passed the accuracy gate at compress time (SPEC §3)."""
+    """Only for a store whose 3-bit model passed the accuracy gate at compress time (docs/format.md §6.4)."""
 
     name = "int3"
     scheme = "int3"
