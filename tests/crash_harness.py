@@ -4,7 +4,7 @@ sweeps in fuzz/crash_sweep.py.
 A *fork server* is a fresh Python process that imports squishlike (and mlx, mlx_lm, transformers) once, runs no
 computation itself (MLX's thread pools do not survive fork), and then forks one child per job. A job runs
 `squishlike.compress`, `squishlike.load` or the CLI in that child, with the fault hook's environment
-(SQUISHLIKE_FAULT_AT / _NTH / _ACTION / _LOG, see squishlike/storage.py) or a SIGKILL sent by the server at a
+(SQUISHLIKE_FAULT_AT / _NTH / _ACTION / _LOG, see squishlike/io/fault.py) or a SIGKILL sent by the server at a
 random moment. Forking saves the ~2 s of imports per trial; the children are still separate processes killed with
 a real SIGKILL, so nothing in them (no `finally`, no atexit) runs after the kill.
 
@@ -304,7 +304,7 @@ def ready_tiers(out: Path) -> dict[str, bool]:
 def lying_sentinels(out: Path) -> list[str]:
     """Every sentinel that counts as ready but whose files do not match their recorded size and checksum."""
     from squishlike.formats.npydir import NpyDir
-    from squishlike.storage import verify_files
+    from squishlike.io.sentinel import verify_files
     from squishlike.tiers import ORDER
 
     store = NpyDir(out)
