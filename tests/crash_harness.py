@@ -372,19 +372,6 @@ def copy_store(src: Path, dest: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- trials
 
 
-def scratch_root(fallback: Path, on_disk: bool = False) -> Path:
-    """Where crash trials run: tmpfs (/dev/shm) when there is one, since kill -9 tests do not depend on fsync and
-    tmpfs keeps ~150 trials fast; else (or with `on_disk`) `fallback`, a real disk directory, where the cache
-    writer's O_DIRECT path runs too."""
-    shm = Path("/dev/shm")
-    if not on_disk and shm.is_dir() and os.access(shm, os.W_OK):
-        import tempfile
-
-        return Path(tempfile.mkdtemp(prefix="squishlike-crash-", dir=shm))
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
-
-
 class CrashLab:
     """A tiny source model, its clean build (the reference), and trials that kill compress or the first load.
 
@@ -570,14 +557,13 @@ def lab_fixture():
 
     @pytest.fixture(scope="module")
     def lab(tmp_path_factory):
-        root = scratch_root(tmp_path_factory.mktemp("lab"))
+        # A real disk directory, never tmpfs: the trials must write the way production does, with O_DIRECT.
+        root = tmp_path_factory.mktemp("lab")
         server = ForkServer(log=root / "server.log")
         try:
             yield CrashLab(root, server)
         finally:
             server.close()
-            if str(root).startswith("/dev/shm/"):
-                shutil.rmtree(root, ignore_errors=True)
 
     return lab
 
