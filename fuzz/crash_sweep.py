@@ -17,12 +17,13 @@ import json
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from crash_harness import CrashLab, ForkServer, random_delays, scratch_root, summarize  # noqa: E402
+from crash_harness import CrashLab, ForkServer, random_delays, summarize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,17 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=2024)
     ap.add_argument("--no-boundaries", action="store_true", help="skip the every-boundary sweeps")
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/squishlike-crash-sweep"))
-    ap.add_argument("--on-disk", action="store_true",
-                    help="run in --workdir (a real disk: the cache writer uses O_DIRECT there) instead of /dev/shm")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/squishlike-crash-sweep"),
+                    help="where the trials run: a real disk, not tmpfs, so files are written with O_DIRECT as in use")
     args = ap.parse_args(argv)
 
-    if args.on_disk:
-        import tempfile
-
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        args.workdir = Path(tempfile.mkdtemp(prefix="sweep-", dir=args.workdir))
-    root = scratch_root(args.workdir, on_disk=args.on_disk)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="sweep-", dir=args.workdir))
     started = time.monotonic()
     categories: dict[str, dict] = {}
     failures = []
@@ -100,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"categories": categories, "total": total,
                                          "failures": failures[:50]}, indent=1, default=str))
-    if (str(root).startswith("/dev/shm/") or args.on_disk) and not failures:
+    if not failures:
         shutil.rmtree(root, ignore_errors=True)
     return 1 if failures else 0
 

@@ -47,7 +47,7 @@ with atheris.instrument_imports(include=["squishlike", "gguf"]):
     import squishlike.formats.ollama  # noqa: F401
     import squishlike.formats.safetensors  # noqa: F401
     import squishlike.provider  # noqa: F401
-    import squishlike.storage  # noqa: F401
+    import squishlike.io.sentinel  # noqa: F401
     import squishlike.tiers  # noqa: F401
 
 import mlx.core as mx  # noqa: E402
@@ -233,7 +233,7 @@ def make_target(target: str, ws: Workspace):
     from squishlike.formats.ollama import OllamaReader
     from squishlike.formats.safetensors import HFReader
     from squishlike.provider import WeightProvider
-    from squishlike.storage import read_sentinel
+    from squishlike.io.sentinel import read_sentinel
     from squishlike.tiers import ORDER, tier_status
 
     side = ws.root / "side"

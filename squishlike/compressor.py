@@ -28,15 +28,10 @@ from .errors import OutputExistsError, QuantizationError
 from .formats.npydir import FORMAT, FORMAT_VERSION, MANIFEST, SCHEMES, TENSORS, NpyDir, encode_key, rows_cols
 from .hub import resolve_local
 from .provider import WeightProvider
-from .storage import (
-    exclusive,
-    file_record,
-    make_temp_dir,
-    publish_dir,
-    remove_stale_temps,
-    write_json,
-    write_npy_stream,
-)
+from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, write_json
+from .io.checksum import file_record
+from .io.lock import exclusive
+from .io.npy import write_npy_stream
 
 FORMATS = ("int8", "int4", "int3")
 GROUP_SIZES = {"int8": (32, 64, 128), "int4": (32, 64, 128), "int3": (32, 64)}

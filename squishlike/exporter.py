@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Literal
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -41,12 +39,13 @@ from .formats.ollama import (
     TENSOR_MEDIA_TYPE,
     blob_path,
     manifest_path,
-    sha256_file,
 )
-from .formats.safetensors import CONFIG, INDEX, SINGLE_FILE
+from .formats.safetensors import CONFIG, INDEX, SINGLE_FILE, tensor_of, write_safetensors, write_tensors
+from .io.atomic import atomic_path, make_temp_dir, publish_dir, publish_file, stream_file, temp_name, write_json
+from .io.checksum import CHECKSUM
+from .io.stream import StreamWriter
 from .model import build_model
 from .provider import WeightProvider
-from .storage import fsync_dir, make_temp_dir, publish_dir, write_json
 
 Target = Literal["hf", "mlx", "ollama"]
 TARGETS = ("hf", "mlx", "ollama")
@@ -110,7 +109,7 @@ def progress(total: int, what: str) -> tqdm:
     return tqdm(total=total, desc=what, unit="tensor", disable=not sys.stderr.isatty())
 
 
-def write_safetensors(out: Path, names: list[str], read: Callable[[str], mx.array], metadata: dict[str, str]) -> None:
+def write_shards(out: Path, names: list[str], read: Callable[[str], mx.array], metadata: dict[str, str]) -> None:
     """model.safetensors, or 5 GiB shards + model.safetensors.index.json, tensors read one by one.
 
     A shard is written once it is full and then dropped, so memory holds at most one shard even where the source
@@ -122,7 +121,7 @@ def write_safetensors(out: Path, names: list[str], read: Callable[[str], mx.arra
 
     def flush() -> None:
         shards.append(out / f"shard-{len(shards)}.safetensors")
-        mx.save_safetensors(str(shards[-1]), shard, metadata=metadata)
+        write_safetensors(shards[-1], [tensor_of(k, v) for k, v in shard.items()], metadata, atomic=False)
         weight_map.update(dict.fromkeys(shard, shards[-1].name))
         shard.clear()
 
@@ -150,7 +149,7 @@ def write_safetensors(out: Path, names: list[str], read: Callable[[str], mx.arra
 def write_hf(provider: WeightProvider, out: Path) -> None:
     provider.write_side_files(out)
     canonical = names_as(provider, "hf")
-    write_safetensors(out, list(canonical), lambda name: read_as(provider, "hf", canonical[name]), {"format": "pt"})
+    write_shards(out, list(canonical), lambda name: read_as(provider, "hf", canonical[name]), {"format": "pt"})
 
 
 def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None) -> None:
@@ -163,8 +162,9 @@ def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None) -
         model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode)
     provider.write_side_files(out)
     parameters = dict(tree_flatten(model.parameters()))
-    write_safetensors(out, list(parameters), parameters.__getitem__, {"format": "mlx"})
-    save_config(config, out / CONFIG)  # after the side files, whose config.json it replaces
+    write_shards(out, list(parameters), parameters.__getitem__, {"format": "mlx"})
+    with atomic_path(out / CONFIG) as tmp:  # after the side files, whose config.json it replaces
+        save_config(config, tmp)
 
 
 # ---------------------------------------------------------------------------------------------- Ollama
@@ -214,23 +214,21 @@ def default_ollama_name(src: Path) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-._") or "model"
 
 
-def write_blob(root: Path, write: Callable[[BinaryIO], object]) -> tuple[str, int]:
-    """A blob written by `write(file)`, renamed to blobs/sha256-<hex> once complete; returns (digest, size)."""
+def write_blob(root: Path, write: Callable[[StreamWriter], object]) -> tuple[str, int]:
+    """A blob written by `write(writer)` under a temp name, published as blobs/sha256-<hex> once complete (its
+    digest is the checksum the writer keeps); returns (digest, size)."""
     blobs = root / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=blobs)
+    tmp = temp_name(blobs / "blob")
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = f"sha256:{sha256_file(Path(tmp))}"
-        size = os.stat(tmp).st_size
-        os.replace(tmp, blob_path(root, digest))  # same bytes if it was there already
-        fsync_dir(blobs)
+        with stream_file(tmp) as w:
+            write(w)
+        record = w.record()
+        digest = f"sha256:{record[CHECKSUM]}"
+        publish_file(tmp, blob_path(root, digest))  # same bytes if it was there already
     finally:
-        Path(tmp).unlink(missing_ok=True)
-    return digest, size
+        tmp.unlink(missing_ok=True)
+    return digest, record["size"]
 
 
 def write_ollama_model(
@@ -274,16 +272,19 @@ def write_ollama_model(
                     prefix = f"{name}." if len(members) > 1 else ""
                     metadata.update({f"{prefix}quant_type": quant_type, f"{prefix}group_size": str(params.group_size)})
                 bar.update()
-            digest, size = write_blob(root, lambda f: mx.save_safetensors(f, tensors, metadata=metadata or None))
+            mx.eval(tensors)
+            digest, size = write_blob(
+                root, lambda w: write_tensors(w, [tensor_of(k, v) for k, v in tensors.items()], metadata or None)
+            )
             layers.append({"mediaType": TENSOR_MEDIA_TYPE, "digest": digest, "size": size, "name": layer_name})
 
     for path in sorted(p for p in side_files.iterdir() if p.is_file()):
-        digest, size = write_blob(root, lambda f: f.write(path.read_bytes()))
+        digest, size = write_blob(root, lambda w: w.write(path.read_bytes()))
         layers.append({"mediaType": JSON_MEDIA_TYPE, "digest": digest, "size": size, "name": path.name})
 
     # The image config Ollama reads first: its MLX engine serves models whose format is "safetensors".
     model_config = {"model_format": "safetensors", "file_type": quant_type, "capabilities": ["completion"]}
-    digest, size = write_blob(root, lambda f: f.write(json.dumps(model_config).encode()))
+    digest, size = write_blob(root, lambda w: w.write(json.dumps(model_config).encode()))
     manifest.parent.mkdir(parents=True, exist_ok=True)
     write_json(manifest, {  # last: until now nothing names the new blobs
         "schemaVersion": 2,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .formats.npydir import NpyDir
 from .provider import WeightProvider
-from .storage import read_sentinel, verify_files
+from .io.sentinel import read_sentinel, verify_files
 from .tiers import ORDER, tier_status
 
 

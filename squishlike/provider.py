@@ -21,7 +21,7 @@ from .arch import Architecture, Need, Rule, architecture_for
 from .config import ModelConfig
 from .errors import MissingTensorError, UnsupportedArchitectureError
 from .formats import FormatReader, QuantizedTensor, open_reader
-from .storage import write_json
+from .io.atomic import write_json
 
 # Config keys that describe how a source stores its tensors quantized; the provider hands out dense tensors.
 QUANTIZATION_KEYS = ("quantization", "quantization_config")

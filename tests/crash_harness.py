@@ -4,7 +4,7 @@ sweeps in fuzz/crash_sweep.py.
 A *fork server* is a fresh Python process that imports squishlike (and mlx, mlx_lm, transformers) once, runs no
 computation itself (MLX's thread pools do not survive fork), and then forks one child per job. A job runs
 `squishlike.compress`, `squishlike.load` or the CLI in that child, with the fault hook's environment
-(SQUISHLIKE_FAULT_AT / _NTH / _ACTION / _LOG, see squishlike/storage.py) or a SIGKILL sent by the server at a
+(SQUISHLIKE_FAULT_AT / _NTH / _ACTION / _LOG, see squishlike/io/fault.py) or a SIGKILL sent by the server at a
 random moment. Forking saves the ~2 s of imports per trial; the children are still separate processes killed with
 a real SIGKILL, so nothing in them (no `finally`, no atexit) runs after the kill.
 
@@ -304,7 +304,7 @@ def ready_tiers(out: Path) -> dict[str, bool]:
 def lying_sentinels(out: Path) -> list[str]:
     """Every sentinel that counts as ready but whose files do not match their recorded size and checksum."""
     from squishlike.formats.npydir import NpyDir
-    from squishlike.storage import verify_files
+    from squishlike.io.sentinel import verify_files
     from squishlike.tiers import ORDER
 
     store = NpyDir(out)
@@ -370,19 +370,6 @@ def copy_store(src: Path, dest: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- trials
-
-
-def scratch_root(fallback: Path, on_disk: bool = False) -> Path:
-    """Where crash trials run: tmpfs (/dev/shm) when there is one, since kill -9 tests do not depend on fsync and
-    tmpfs keeps ~150 trials fast; else (or with `on_disk`) `fallback`, a real disk directory, where the cache
-    writer's O_DIRECT path runs too."""
-    shm = Path("/dev/shm")
-    if not on_disk and shm.is_dir() and os.access(shm, os.W_OK):
-        import tempfile
-
-        return Path(tempfile.mkdtemp(prefix="squishlike-crash-", dir=shm))
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
 
 
 class CrashLab:
@@ -570,14 +557,13 @@ def lab_fixture():
 
     @pytest.fixture(scope="module")
     def lab(tmp_path_factory):
-        root = scratch_root(tmp_path_factory.mktemp("lab"))
+        # A real disk directory, never tmpfs: the trials must write the way production does, with O_DIRECT.
+        root = tmp_path_factory.mktemp("lab")
         server = ForkServer(log=root / "server.log")
         try:
             yield CrashLab(root, server)
         finally:
             server.close()
-            if str(root).startswith("/dev/shm/"):
-                shutil.rmtree(root, ignore_errors=True)
 
     return lab
 

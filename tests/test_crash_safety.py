@@ -1,7 +1,7 @@
 """Crash safety: nothing lost, nothing half-trusted.
 
 `compress` and the first load's cache build are killed with a real SIGKILL at every write/rename boundary (through
-the fault hook in squishlike/storage.py) and at random moments, interrupted with SIGINT, starved of disk space
+the fault hook in squishlike/io/fault.py) and at random moments, interrupted with SIGINT, starved of disk space
 (RLIMIT_FSIZE, and a real full tmpfs where this machine lets us mount one) and pointed at read-only directories.
 After each: the source is untouched, no sentinel counts over files that differ from it, and the next load (after a
 re-run compress where OUT is absent) returns weights bit-identical to a clean build's, from every ready tier.
@@ -306,6 +306,26 @@ def test_fault_hook_is_inert_without_its_environment(lab, tmp_path):
     r = lab.server.run({"op": "load", "path": str(out), "env": {"SQUISHLIKE_FAULT_LOG": str(log),
                                                                  "SQUISHLIKE_FAULT_AT": "no-such-boundary"}})
     assert r["code"] == 0 and len(labels_of(log)) >= 25
+
+
+def test_trials_write_the_way_production_does(lab, monkeypatch):
+    """The fault hook's environment changes nothing about how files are written: where the crash trials run, a
+    watched writer uses O_DIRECT as an unwatched one does, and passes its write boundary on that path."""
+    from squishlike.io.atomic import atomic_file
+
+    def write(name: str) -> bool:
+        with atomic_file(lab.root / name) as w:
+            w.write(b"x" * 10_000)
+        assert (lab.root / name).read_bytes() == b"x" * 10_000
+        return w.direct
+
+    if not write("unwatched.bin"):
+        pytest.skip(f"{lab.root}: the filesystem refuses O_DIRECT, so production falls back to buffered writes")
+    log = lab.root / "watched.log"
+    monkeypatch.setenv("SQUISHLIKE_FAULT_LOG", str(log))
+    monkeypatch.setenv("SQUISHLIKE_FAULT_AT", "no-such-boundary")
+    assert write("watched.bin")
+    assert labels_of(log) == ["write:watched.bin", "before-rename:watched.bin", "renamed:watched.bin"]
 
 
 def test_sweep_script_runs(tmp_path):

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, pre_tokenizers, processors
 
 from ..config import ModelConfig
 from ..errors import FormatError, MissingTensorError
+from ..io.atomic import atomic_path, write_bytes
 from .base import FormatReader, TensorInfo
 
 MAGIC = b"GGUF"
@@ -161,14 +162,15 @@ class GGUFReader(FormatReader):
         written = []
         if "tokenizer.ggml.tokens" in self.metadata:
             tokenizer, tokenizer_config = self._tokenizer()
-            tokenizer.save(str(dest / "tokenizer.json"))
+            with atomic_path(dest / "tokenizer.json") as tmp:
+                tokenizer.save(str(tmp))
             written.append(dest / "tokenizer.json")
             files["tokenizer_config.json"] = tokenizer_config
             files["special_tokens_map.json"] = {k: v for k, v in tokenizer_config.items() if k in SPECIAL_TOKENS}
             ids = {key: self.metadata.get(f"tokenizer.ggml.{key}") for key in GENERATION_IDS}
             files["generation_config.json"] = {key: value for key, value in ids.items() if value is not None}
         for file, content in files.items():
-            (dest / file).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+            write_bytes(dest / file, (json.dumps(content, indent=2, ensure_ascii=False) + "\n").encode())
             written.append(dest / file)
         return written
 

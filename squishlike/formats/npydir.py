@@ -14,7 +14,6 @@ import hashlib
 import math
 import os
 import re
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 from .. import quant
 from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
-from ..storage import read_json
+from ..io.atomic import copy_file, read_json
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
 MANIFEST = "manifest.json"
@@ -438,5 +437,6 @@ class NpyDirReader(FormatReader):
     def write_side_files(self, dest: Path) -> list[Path]:
         written = []
         for rel in self.store.manifest.get("side_files", {}):
-            written.append(Path(shutil.copy2(self.path / rel, Path(dest) / rel)))
+            copy_file(self.path / rel, Path(dest) / rel)
+            written.append(Path(dest) / rel)
         return written

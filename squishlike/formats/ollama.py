@@ -12,7 +12,6 @@ layers named by their file name. A blob is checked against its digest the first 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -20,7 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FormatError, IntegrityError, MissingTensorError
-from ..storage import copy_file, read_json
+from ..io.atomic import copy_file, read_json
+from ..io.checksum import file_checksum  # sha256, the digest Ollama names blobs by
 from .base import FormatReader, QuantizedTensor, TensorInfo
 from .mlx import QuantParams, quantized_shape
 from .safetensors import CONFIG, SafetensorsFile
@@ -69,14 +69,6 @@ def manifest_path(root: Path, ref: str) -> Path | None:
     if not _HOST.fullmatch(host) or not all(_NAME.fullmatch(p) for p in (namespace, model, tag)):
         return None
     return Path(root) / "manifests" / host / namespace / model / tag
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class OllamaReader(FormatReader):
@@ -190,7 +182,7 @@ class OllamaReader(FormatReader):
         """Check a blob against its digest, once per reader."""
         if blob in self._verified:
             return
-        actual = sha256_file(blob)
+        actual = file_checksum(blob)
         if actual != self._digests[blob]:
             raise IntegrityError(blob, f"sha256 is {actual}, the manifest's digest is sha256:{self._digests[blob]}")
         self._verified.add(blob)

@@ -1,7 +1,8 @@
 """Hugging Face model directories: config.json plus model.safetensors, or shards named by model.safetensors.index.json.
 
 Also the pieces every safetensors-based reader shares (mlx.py builds on HFReader, ollama.py on SafetensorsFile):
-opening one file with its header validated, reading one tensor's bytes, and copying the model's side files.
+opening one file with its header validated, reading one tensor's bytes, and copying the model's side files; and
+the one safetensors writer of the project (`write_safetensors`), which streams tensors to disk through io.
 
 Why both libraries: the safetensors library validates a header completely (length, JSON, dtypes, offsets that
 overlap, leave gaps, run past the end or disagree with dtype x shape), but its numpy/mlx frameworks go through
@@ -11,14 +12,18 @@ evaluated) but checks little. So a file is validated once by `safe_open`, then r
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from safetensors import SafetensorError, safe_open
 
 from ..errors import FormatError, MissingTensorError
-from ..storage import copy_file, read_json
+from ..io.atomic import atomic_file, copy_file, read_json, stream_file
+from ..io.stream import StreamWriter
 from .base import FormatReader, TensorInfo
 
 INDEX = "model.safetensors.index.json"
@@ -65,6 +70,68 @@ DTYPES: dict[str, mx.Dtype] = {
 def dtype_name(dtype: mx.Dtype) -> str:
     """"float32", "bfloat16", "uint32" ... (the spelling TensorInfo uses)."""
     return str(dtype).removeprefix("mlx.core.")
+
+
+# dtype name -> safetensors dtype, for the writer
+_ST_NAMES = {dtype_name(dtype): st for st, dtype in DTYPES.items()}
+
+
+class Tensor(NamedTuple):
+    """One tensor to write: `data` is any contiguous buffer of its bytes (a NumPy array, a memory map, an evaluated
+    mx.array; bfloat16 may travel as its uint16 bits), or a callable returning one, called when the tensor is
+    written and dropped after."""
+
+    name: str
+    dtype: str  # dtype name, as dtype_name spells it
+    shape: tuple[int, ...]
+    data: Any | Callable[[], Any]
+
+
+def tensor_of(name: str, array: mx.array) -> Tensor:
+    """An mx.array as a Tensor (its buffer is read when written, so evaluate it first)."""
+    return Tensor(name, dtype_name(array.dtype), tuple(array.shape), array)
+
+
+def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields, data 8-byte aligned),
+    then each tensor's bytes, streamed from its buffer without an intermediate copy of the model."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape, _ in tensors:
+        if dtype not in _ST_NAMES:
+            raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
+        nbytes = math.prod(shape) * DTYPES[_ST_NAMES[dtype]].size
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    w.write(len(blob).to_bytes(8, "little") + blob)
+    for name, dtype, shape, data in tensors:
+        buffer = data() if callable(data) else data
+        start, end = header[name]["data_offsets"]
+        if memoryview(buffer).nbytes != end - start:
+            raise ValueError(f"{name}: {memoryview(buffer).nbytes} bytes of data for {dtype}{list(shape)} "
+                             f"({end - start} bytes)")
+        w.write(buffer)
+        del buffer
+
+
+def write_safetensors(final: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None,
+                      atomic: bool = True) -> dict:
+    """Write one safetensors file and return its file record (size, checksum). Atomic (temp name, fsync, rename)
+    unless `atomic=False`: straight to `final`, for a file inside a temp directory published as a whole."""
+    with (atomic_file(final) if atomic else stream_file(final)) as w:
+        write_tensors(w, tensors, metadata)
+    return w.record()
+
+
+def file_order(path: Path) -> list[str] | None:
+    """The tensor names of a safetensors file in the order of their data, or None when the header is invalid."""
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return list(f.offset_keys())
+    except (SafetensorError, OSError):
+        return None
 
 
 class SafetensorsFile:

@@ -26,7 +26,9 @@ import numpy as np
 from ..dtypes import NP_STORAGE
 from ..errors import FormatError, TierNotReadyError
 from ..formats.npydir import NpyDir
-from ..storage import DirectoryLock, remove_stale_temps, sentinel_says_damaged
+from ..io.atomic import remove_stale_temps
+from ..io.lock import DirectoryLock
+from ..io.sentinel import sentinel_says_damaged
 from . import fastmem
 from .base import Loaded, Tier, mlx_names, runtime_bytes
 from .fastmem import cpu_streams, huge_page_arena

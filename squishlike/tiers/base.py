@@ -14,7 +14,7 @@ import numpy as np
 from ..arch import architecture_for
 from ..dtypes import NP_STORAGE
 from ..formats.npydir import NpyDir
-from ..storage import read_sentinel
+from ..io.sentinel import read_sentinel
 
 
 @dataclass

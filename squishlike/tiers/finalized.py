@@ -17,7 +17,9 @@ import numpy as np
 from ..dtypes import MX_DTYPES, NP_STORAGE
 from ..errors import FormatError
 from ..formats.npydir import NpyDir
-from ..storage import make_temp_dir, publish_dir, write_npy_stream, write_sentinel
+from ..io.atomic import make_temp_dir, publish_dir
+from ..io.npy import write_npy_stream
+from ..io.sentinel import write_sentinel
 from .base import Loaded, Tier, mlx_names
 from .fastmem import load_each, prefetch
 

@@ -17,10 +17,12 @@ import shutil
 import numpy as np
 
 from ..formats.npydir import SCHEMES, NpyDir, load_config
+from ..formats.safetensors import write_safetensors
+from ..io.atomic import copy_file, make_temp_dir, publish_dir, write_json
+from ..io.sentinel import write_sentinel
 from ..quant import int4_to_mlx
-from ..storage import file_record, make_temp_dir, publish_dir, write_json, write_sentinel
 from .base import Loaded, Tier, mlx_names
-from .mlx import load_safetensors, write_safetensors
+from .mlx import METADATA, load_safetensors
 
 WEIGHTS = "model.safetensors"
 
@@ -72,12 +74,11 @@ class QuantizedTier(Tier):
         final = store.path / self.directory
         tmp = make_temp_dir(final)
         try:
-            files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors)}
+            files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors, METADATA)}
             files[f"{self.directory}/config.json"] = write_json(tmp / "config.json", config)
             for rel in store.manifest.get("side_files", {}):
                 if rel != "config.json":
-                    shutil.copy2(store.path / rel, tmp / rel)
-                    files[f"{self.directory}/{rel}"] = file_record(tmp / rel)
+                    files[f"{self.directory}/{rel}"] = copy_file(store.path / rel, tmp / rel)
             publish_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

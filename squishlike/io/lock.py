@@ -1,0 +1,65 @@
+"""Directory locks: one writer at a time per model directory, released by the kernel when the holder dies."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import DirectoryBusyError
+from .fault import fault_point
+
+LOCK_NAME = ".squishlike.lock"
+
+
+class DirectoryLock:
+    """An exclusive flock on DIR/.squishlike.lock. The kernel drops it when the process dies, so no stale locks."""
+
+    def __init__(self, directory: Path, name: str = LOCK_NAME):
+        self.path = Path(directory) / name
+        self._fd: int | None = None
+
+    def acquire(self, blocking: bool = True) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        self._fd = fd
+        try:
+            fault_point(f"lock:{self.path.parent.name}")
+        except BaseException:  # interrupted before the caller could own the lock: do not leak it
+            self.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "DirectoryLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def exclusive(directory: Path, what: str, name: str = LOCK_NAME) -> Iterator[None]:
+    """Hold the directory's lock or fail at once with DirectoryBusyError (two compress runs aimed at one OUT)."""
+    lock = DirectoryLock(directory, name)
+    if not lock.acquire(blocking=False):
+        raise DirectoryBusyError(f"{directory}: another process is {what}; try again when it has finished")
+    try:
+        yield
+    finally:
+        lock.release()
