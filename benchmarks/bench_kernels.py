@@ -1,4 +1,5 @@
-"""Dequantization throughput of the Rust kernels: INT8 -> bfloat16 and INT4 -> bfloat16 (group 64, bf16 scales).
+"""Dequantization throughput of the Rust kernels: per-row INT8, group-wise INT8 and INT4 -> bfloat16 (groups of 64,
+bf16 scales).
 
 Measured in GB/s of output, in one run, against
 - a plain copy (np.copyto) of the same output bytes into memory that is already touched: the memory-speed ceiling;
@@ -33,10 +34,20 @@ import squishlike.quant.reference as ref
 GROUP = 64
 LLAMA_7B_LAYER = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]  # q k v o gate up down
 TARGET_VS_COPY, TARGET_VS_NUMPY = 0.7, 20.0
+SCHEMES = ("int8", "int8g", "int4")
+LABELS = {"int8": "int8 -> bf16", "int8g": f"int8g -> bf16 (g{GROUP})", "int4": f"int4 -> bf16 (g{GROUP})"}
+
+
+def group_params(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random bf16 scales and biases, one per group."""
+    scales = rng.random((rows, cols // GROUP), dtype=np.float32) * np.float32(0.01)
+    biases = rng.standard_normal((rows, cols // GROUP), dtype=np.float32) * np.float32(0.1)
+    return ref.from_float32(scales, "bfloat16"), ref.from_float32(biases, "bfloat16")
 
 
 class Workload:
-    """Random INT8 and INT4 stores for a list of matrix shapes, plus touched bf16 output and copy-source buffers."""
+    """Random INT8, group-wise INT8 and INT4 stores for a list of matrix shapes, plus touched bf16 output and
+    copy-source buffers."""
 
     def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -46,14 +57,8 @@ class Workload:
             (rng.integers(-127, 128, (r, c), dtype=np.int8), rng.random(r, dtype=np.float32) * np.float32(0.01))
             for r, c in shapes
         ]
-        self.int4 = [
-            (
-                rng.integers(0, 256, (r, c // 2), dtype=np.uint8),
-                ref.from_float32(rng.random((r, c // GROUP), dtype=np.float32) * np.float32(0.01), "bfloat16"),
-                ref.from_float32(rng.standard_normal((r, c // GROUP), dtype=np.float32) * np.float32(0.1), "bfloat16"),
-            )
-            for r, c in shapes
-        ]
+        self.int8g = [(rng.integers(0, 256, (r, c), dtype=np.uint8), *group_params(rng, r, c)) for r, c in shapes]
+        self.int4 = [(rng.integers(0, 256, (r, c // 2), dtype=np.uint8), *group_params(rng, r, c)) for r, c in shapes]
         self.out = [np.ones((r, c), np.uint16) for r, c in shapes]  # np.ones touches every page
         self.src = [np.full((r, c), 7, np.uint16) for r, c in shapes]
 
@@ -65,6 +70,10 @@ class Workload:
         for (q, s), out in zip(self.int8, self.out):
             rq.dequantize_int8(q, s, out_dtype="bfloat16", out=out)
 
+    def rust_int8g(self) -> None:
+        for (p, s, z), out in zip(self.int8g, self.out):
+            rq.dequantize_int8g(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
+
     def rust_int4(self) -> None:
         for (p, s, z), out in zip(self.int4, self.out):
             rq.dequantize_int4(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
@@ -72,6 +81,10 @@ class Workload:
     def numpy_int8(self, k: int) -> None:
         for (q, s), out in zip(self.int8[:k], self.out[:k]):
             ref.dequantize_int8(q, s, out_dtype="bfloat16", out=out)
+
+    def numpy_int8g(self, k: int) -> None:
+        for (p, s, z), out in zip(self.int8g[:k], self.out[:k]):
+            ref.dequantize_int8g(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
 
     def numpy_int4(self, k: int) -> None:
         for (p, s, z), out in zip(self.int4[:k], self.out[:k]):
@@ -86,7 +99,7 @@ def timed(fn: Callable[[], None]) -> float:
 
 def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int) -> dict:
     """Median GB/s of every method on one workload, the methods interleaved within each repeat."""
-    methods = {"copy": work.copy, "int8": work.rust_int8, "int4": work.rust_int4}
+    methods = {"copy": work.copy, **{scheme: getattr(work, f"rust_{scheme}") for scheme in SCHEMES}}
     for fn in methods.values():  # warm-up: thread pool, caches, lazy imports
         fn()
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -98,7 +111,7 @@ def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int)
     k = min(numpy_matrices, len(work.shapes))
     numpy_bytes = sum(r * c * 2 for r, c in work.shapes[:k])
     numpy_gbps = {}
-    for scheme in ("int8", "int4"):
+    for scheme in SCHEMES:
         fn = getattr(work, f"numpy_{scheme}")
         numpy_gbps[scheme] = numpy_bytes / 1e9 / statistics.median(timed(lambda: fn(k)) for _ in range(numpy_repeats))
     return {
@@ -116,7 +129,7 @@ def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int)
                 "meets_targets": gbps[scheme] >= TARGET_VS_COPY * gbps["copy"]
                 and gbps[scheme] >= TARGET_VS_NUMPY * numpy_gbps[scheme],
             }
-            for scheme in ("int8", "int4")
+            for scheme in SCHEMES
         },
     }
 
@@ -138,9 +151,8 @@ def print_table(results: list[dict], machine: dict) -> None:
     for r in results:
         name = f"{r['workload']} ({r['output_bytes'] / 1e9:.2f} GB)"
         print(f"{name:<34} {'np.copyto':<26} {r['copy_gbps']:7.2f} {1:8.2f} {'':>9}")
-        for scheme in ("int8", "int4"):
-            s = r[scheme]
-            label = f"{scheme} -> bf16 (g{GROUP})" if scheme == "int4" else "int8 -> bf16"
+        for scheme in SCHEMES:
+            s, label = r[scheme], LABELS[scheme]
             print(f"{'':<34} {'rust ' + label:<26} {s['gbps']:7.2f} {s['vs_copy']:8.2f} {s['vs_numpy']:9.1f}")
             print(f"{'':<34} {'numpy ' + label:<26} {s['numpy_gbps']:7.2f} {s['numpy_gbps'] / r['copy_gbps']:8.2f}")
         if r["numpy_subset"]:
@@ -149,7 +161,7 @@ def print_table(results: list[dict], machine: dict) -> None:
                   f"{sub['output_bytes'] / 1e9:.2f} GB, and taken as the set's throughput)")
     print()
     for r in results:
-        for scheme in ("int8", "int4"):
+        for scheme in SCHEMES:
             s = r[scheme]
             print(f"{'ok  ' if s['meets_targets'] else 'MISS'} {r['workload']:<22} {scheme}: {s['vs_copy']:.2f}x copy "
                   f"(target >= {TARGET_VS_COPY}), {s['vs_numpy']:.0f}x NumPy (target >= {TARGET_VS_NUMPY:.0f})")

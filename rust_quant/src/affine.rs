@@ -1,10 +1,9 @@
-//! Group-wise affine quantization shared by INT4 and INT3 (MLX's "affine" mode): w ~ q * scale + bias.
+//! Group-wise affine quantization shared by INT4, INT3 and group-wise INT8 (MLX's "affine" mode):
+//! w ~ q * scale + bias.
 //!
 //! `squishlike/quant/reference.py` is the spec. Every step below is the same float32 operation, in the same order,
-//! as there (Rust never fuses a multiply and an add), so the two agree bit for bit. The schemes differ only in
-//! how codes are packed, which is what a `Packing` says.
-
-use std::array;
+//! as there (Rust never fuses a multiply and an add), so the two agree bit for bit. The schemes differ in how codes
+//! are packed and in how a group's grid is chosen, which is what a `Packing` says.
 
 use rayon::prelude::*;
 
@@ -12,7 +11,7 @@ use crate::dtype::{round, Float};
 use crate::shape::task_rows;
 use crate::simd::multiversion;
 
-/// How one affine scheme packs its codes, one row at a time.
+/// How one affine scheme chooses a group's grid and packs its codes, one row at a time.
 pub trait Packing {
     const NAME: &'static str;
     /// The largest code (2^bits - 1).
@@ -25,13 +24,31 @@ pub trait Packing {
 
     /// Packed words holding `cols` codes (`cols` a multiple of BLOCK).
     fn words(cols: usize) -> usize;
+    /// A value per code, LEVELS + 1 of them (an array, so that a lookup by a masked code needs no bounds check).
+    type Table<T: Copy + Sync>: Sync;
+    /// The table whose entry q is `f(q)`.
+    fn table<T: Copy + Sync>(f: impl FnMut(usize) -> T) -> Self::Table<T>;
+
     /// Packs one row of codes (one byte each, already known to be <= LEVELS).
     fn pack_row(q: &[u8], packed: &mut [Self::Word]);
     /// Unpacks one row (or group) of codes, mapping each through `table`.
-    fn unpack_row<T: Copy>(packed: &[Self::Word], table: &[T; 16], out: &mut [T]);
+    fn unpack_row<T: Copy + Sync>(packed: &[Self::Word], table: &Self::Table<T>, out: &mut [T]);
     /// `unpack_row` for dequantization; a scheme may override it with a faster way for some output types.
-    fn unpack_values<O: Float>(packed: &[Self::Word], table: &[O; 16], out: &mut [O]) {
+    fn unpack_values<O: Float>(packed: &[Self::Word], table: &Self::Table<O>, out: &mut [O]) {
         Self::unpack_row(packed, table, out)
+    }
+    /// Dequantizes one group: by default a table of the output value of every code, then one lookup per element
+    /// (cheap while the codes are fewer than the group's elements).
+    #[inline(always)]
+    fn dequantize_group<S: Float, O: Float>(packed: &[Self::Word], scale: S, bias: S, out: &mut [O]) {
+        let (s, z) = (scale.to_f32(), bias.to_f32());
+        Self::unpack_values(packed, &Self::table(|q| O::from_f32(dequantize_value::<S>(q as f32, s, z))), out)
+    }
+
+    /// The grid of a group spanning [lo, hi]. By default the min/max grid, which picks codes with the stored values.
+    #[inline(always)]
+    fn grid<S: Float>(lo: f32, hi: f32) -> Grid {
+        min_max_grid::<S>(lo, hi, Self::LEVELS as f32)
     }
 
     /// Checks that rows of `cols` codes can be packed.
@@ -66,10 +83,37 @@ fn clip_shrink(k: u32) -> f32 {
     (k as f64 / 100.0) as f32
 }
 
-/// Scale and bias of a group spanning [lo, hi], each rounded to the storage type S (kept as f32).
+/// A group's grid: the scale and bias its codes are picked with, and the scale and bias stored (rounded to the
+/// storage type S, kept as f32), which are what the runtime dequantizes with.
+#[derive(Clone, Copy)]
+pub struct Grid {
+    pub pick: (f32, f32),
+    pub stored: (f32, f32),
+}
+
+/// The min/max grid (INT4, INT3): scale (hi - lo) / levels and bias lo, rounded to S, and codes picked with them.
 #[inline(always)]
-fn params<S: Float>(lo: f32, hi: f32, levels: f32) -> (f32, f32) {
-    (round::<S>((hi - lo) / levels), round::<S>(lo))
+fn min_max_grid<S: Float>(lo: f32, hi: f32, levels: f32) -> Grid {
+    let stored = (round::<S>((hi - lo) / levels), round::<S>(lo));
+    Grid { pick: stored, stored }
+}
+
+/// The grid `mx.quantize` chooses on mlx[cpu] 0.32.4, all in f32: the end of [lo, hi] farther from zero (`edge`)
+/// falls exactly on a code, the scale's sign points from it into the group, and the bias is `edge` (or 0 where
+/// edge rounds to code 0). Codes are picked with the unrounded scale and bias, as MLX does; then both are rounded
+/// to S. A scale of 0 (edge / inf) picks code 0, whose value is then the bias.
+#[inline(always)]
+pub fn mlx_grid<S: Float>(lo: f32, hi: f32, levels: f32) -> Grid {
+    let eps = 1e-7f64 as f32; // MLX's `float eps = 1e-7`
+    let far_low = lo.abs() > hi.abs();
+    let width = ((hi - lo) / levels).max(eps);
+    let (mut s, edge) = if far_low { (width, lo) } else { (-width, hi) };
+    let q0 = (edge / s).round_ties_even();
+    let mut z = 0.0;
+    if q0 != 0.0 {
+        (s, z) = (edge / q0, edge);
+    }
+    Grid { pick: (s, z), stored: (round::<S>(s), round::<S>(z)) }
 }
 
 /// The code of w, q = clip(rint((w - z) / s), 0, levels), as an f32 (an integer; kept in f32 so that loops over
@@ -86,27 +130,20 @@ fn code(w: f32, s: f32, z: f32, levels: f32) -> f32 {
 /// What `mx.dequantize` computes on mlx[cpu] 0.32.4 (found by experiment for f32, f16 and bf16 scales): the product
 /// and then the sum are each rounded to the scale's type S. The result is an S value, carried as f32.
 #[inline(always)]
-fn dequantize_value<S: Float>(q: f32, s: f32, z: f32) -> f32 {
+pub fn dequantize_value<S: Float>(q: f32, s: f32, z: f32) -> f32 {
     round::<S>(round::<S>(q * s) + z)
 }
 
-/// The output value of every code of a group: dequantizing is then one table lookup per element.
-/// (Always 16 entries so one table type serves 4 and 3 bits; INT3 uses the first 8.)
-#[inline(always)]
-fn lut<S: Float, O: Float>(scale: S, bias: S) -> [O; 16] {
-    let (s, z) = (scale.to_f32(), bias.to_f32());
-    array::from_fn(|q| O::from_f32(dequantize_value::<S>(q as f32, s, z)))
-}
-
-/// Squared error of a group quantized with (s, z) and dequantized as the runtime does, in f64. The order of the
+/// Squared error of a group quantized on `grid` and dequantized as the runtime does, in f64. The order of the
 /// additions is fixed so that the loop vectorises and the reference's `_sq_error` can follow it exactly: eight
 /// running sums, lane j taking elements j, j+8, j+16, ... in turn, then the eight added in lane order.
 #[inline(always)]
-fn sq_error<S: Float>(w: &[f32], s: f32, z: f32, levels: f32) -> f64 {
+fn sq_error<S: Float>(w: &[f32], grid: Grid, levels: f32) -> f64 {
+    let ((ps, pz), (s, z)) = (grid.pick, grid.stored);
     let mut lanes = [0.0f64; 8];
     for eight in w.chunks_exact(8) {
         for (lane, &x) in lanes.iter_mut().zip(eight) {
-            let d = dequantize_value::<S>(code(x, s, z, levels), s, z) as f64 - x as f64;
+            let d = dequantize_value::<S>(code(x, ps, pz, levels), s, z) as f64 - x as f64;
             *lane += d * d;
         }
     }
@@ -137,28 +174,29 @@ multiversion! {
             }
             // min/max may return either zero when a group holds both -0.0 and +0.0; adding +0.0 makes it +0.0.
             (lo, hi) = (lo + 0.0, hi + 0.0);
-            let (mut s, mut z) = params::<S>(lo, hi, levels);
-            if !(s.is_finite() && z.is_finite()) {
+            let mut grid = K::grid::<S>(lo, hi);
+            if !(grid.stored.0.is_finite() && grid.stored.1.is_finite()) {
                 let (scheme, dtype) = (K::NAME, S::NAME);
                 return Err(format!("{scheme}: a group's scale or bias overflows {dtype}; use a wider scale_dtype"));
             }
             if clip_search {
-                let mut best = sq_error::<S>(w, s, z, levels);
+                let mut best = sq_error::<S>(w, grid, levels);
                 let span = hi - lo;
                 for k in 1..CLIP_STEPS {
                     let t = clip_shrink(k);
-                    let (s_k, z_k) = params::<S>(lo + t * span, hi - t * span, levels);
-                    let err = sq_error::<S>(w, s_k, z_k, levels);
+                    let grid_k = K::grid::<S>(lo + t * span, hi - t * span);
+                    let err = sq_error::<S>(w, grid_k, levels);
                     if err < best {
                         // strict: on a tie the wider range (tried first) stays
-                        (best, s, z) = (err, s_k, z_k);
+                        (best, grid) = (err, grid_k);
                     }
                 }
             }
+            let (s, z) = grid.pick;
             for (q, &x) in q.iter_mut().zip(w) {
                 *q = code(x, s, z, levels) as u8;
             }
-            (*scale, *bias) = (S::from_f32(s), S::from_f32(z));
+            (*scale, *bias) = (S::from_f32(grid.stored.0), S::from_f32(grid.stored.1));
         }
         Ok(())
     }
@@ -233,7 +271,7 @@ multiversion! {
     ) {
         let parts = out.chunks_exact_mut(group).zip(packed.chunks_exact(group_words));
         for ((out, packed), (&s, &z)) in parts.zip(scales.iter().zip(biases)) {
-            K::unpack_values(packed, &lut::<S, O>(s, z), out);
+            K::dequantize_group::<S, O>(packed, s, z, out);
         }
     }
 }
@@ -257,15 +295,15 @@ pub fn pack<K: Packing>(q: &[u8], cols: usize, packed: &mut [K::Word]) -> Result
 
 /// Unpacks [rows, words] packed codes into [rows, cols] codes.
 pub fn unpack<K: Packing>(packed: &[K::Word], cols: usize, q: &mut [u8]) {
-    const CODES: [u8; 16] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
     if cols == 0 {
         return;
     }
+    let codes = K::table(|q| q as u8);
     let words = K::words(cols);
     q.par_chunks_mut(cols)
         .zip(packed.par_chunks(words))
         .with_min_len(task_rows(cols))
-        .for_each(|(q, packed)| K::unpack_row(packed, &CODES, q));
+        .for_each(|(q, packed)| K::unpack_row(packed, &codes, q));
 }
 
 #[cfg(test)]
@@ -293,8 +331,10 @@ mod tests {
         let w: Vec<f32> = (0..32).map(|i| (i % 16) as f32).collect();
         let (q, s, z) = quantize_group::<bf16>(&w, false).unwrap();
         assert_eq!((s.to_f32(), z.to_f32()), (1.0, 0.0));
-        let table: [f32; 16] = lut::<bf16, f32>(s, z);
-        assert!(q.iter().zip(&w).all(|(&q, &x)| table[q as usize] == x));
+        let (mut packed, mut out) = (vec![0u8; 16], vec![0f32; 32]);
+        Int4::pack_row(&q, &mut packed);
+        Int4::dequantize_group::<bf16, f32>(&packed, s, z, &mut out);
+        assert_eq!(out, w);
     }
 
     #[test]
@@ -322,7 +362,7 @@ mod tests {
         let w: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 31.5) / 32.0).map(|x| x * x * x).collect();
         let err = |clip| {
             let (_, s, z) = quantize_group::<f32>(&w, clip).unwrap();
-            sq_error::<f32>(&w, s, z, 15.0)
+            sq_error::<f32>(&w, Grid { pick: (s, z), stored: (s, z) }, 15.0)
         };
         assert!(err(true) < err(false));
     }

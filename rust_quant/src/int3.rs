@@ -14,6 +14,11 @@ impl Packing for Int3 {
     const GROUP_SIZES: &'static [usize] = &[32, 64, 128];
     type Word = u32;
     const BLOCK: usize = 32;
+    type Table<T: Copy + Sync> = [T; 8];
+
+    fn table<T: Copy + Sync>(f: impl FnMut(usize) -> T) -> [T; 8] {
+        std::array::from_fn(f)
+    }
 
     fn words(cols: usize) -> usize {
         cols * 3 / 32
@@ -27,7 +32,7 @@ impl Packing for Int3 {
     }
 
     #[inline(always)]
-    fn unpack_row<T: Copy>(words: &[u32], table: &[T; 16], out: &mut [T]) {
+    fn unpack_row<T: Copy + Sync>(words: &[u32], table: &[T; 8], out: &mut [T]) {
         for (w, out) in words.chunks_exact(3).zip(out.chunks_exact_mut(32)) {
             let bits = w[0] as u128 | (w[1] as u128) << 32 | (w[2] as u128) << 64;
             for (k, o) in out.iter_mut().enumerate() {

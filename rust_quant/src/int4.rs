@@ -14,6 +14,11 @@ impl Packing for Int4 {
     const GROUP_SIZES: &'static [usize] = &[32, 64, 128];
     type Word = u8;
     const BLOCK: usize = 2;
+    type Table<T: Copy + Sync> = [T; 16];
+
+    fn table<T: Copy + Sync>(f: impl FnMut(usize) -> T) -> [T; 16] {
+        std::array::from_fn(f)
+    }
 
     fn words(cols: usize) -> usize {
         cols / 2
@@ -26,7 +31,7 @@ impl Packing for Int4 {
     }
 
     #[inline(always)]
-    fn unpack_row<T: Copy>(packed: &[u8], table: &[T; 16], out: &mut [T]) {
+    fn unpack_row<T: Copy + Sync>(packed: &[u8], table: &[T; 16], out: &mut [T]) {
         for (&b, pair) in packed.iter().zip(out.chunks_exact_mut(2)) {
             pair[0] = table[(b & 15) as usize];
             pair[1] = table[(b >> 4) as usize];

@@ -16,6 +16,7 @@ pub mod dtype;
 pub mod int3;
 pub mod int4;
 pub mod int8;
+pub mod int8g;
 pub mod shape;
 mod simd;
 
@@ -23,6 +24,7 @@ use affine::Packing;
 use dtype::{Dtype, Float};
 use int3::Int3;
 use int4::Int4;
+use int8g::Int8g;
 
 pyo3::import_exception!(squishlike.errors, QuantizationError);
 
@@ -288,6 +290,24 @@ fn quantize_int4(
     quantize_affine::<Int4>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
 }
 
+/// Group-wise INT8 of `w` into `packed` (uint8, one code per byte, w's 2-D shape), `scales` and `biases`, on the
+/// grid mx.quantize(bits=8) chooses.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn quantize_int8g(
+    py: Python<'_>,
+    w: &Bound<'_, PyAny>,
+    src_dtype: &str,
+    group_size: i64,
+    scale_dtype: &str,
+    clip_search: bool,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    quantize_affine::<Int8g>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
+}
+
 /// Affine 3-bit groups of `w` into `packed` (uint32, mx.quantize(bits=3) layout), `scales` and `biases`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -337,6 +357,22 @@ fn dequantize_int3(
     dequantize_affine::<Int3>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
 }
 
+/// `out` (its 2-D shape gives the columns) = the group-wise INT8 codes dequantized exactly as mx.dequantize does.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn dequantize_int8g(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    group_size: i64,
+    scale_dtype: &str,
+    out_dtype: &str,
+) -> PyResult<()> {
+    dequantize_affine::<Int8g>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+}
+
 /// uint8 codes 0..15 -> `packed` uint8, low nibble = even column.
 #[pyfunction]
 fn pack_int4(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -366,6 +402,8 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(quantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_int8, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_int8g, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int8g, m)?)?;
     m.add_function(wrap_pyfunction!(quantize_int4, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_int4, m)?)?;
     m.add_function(wrap_pyfunction!(pack_int4, m)?)?;

@@ -1,4 +1,5 @@
-"""Quantize and dequantize INT8 / INT4 / INT3 weights with the Rust kernels (`squishlike.rust_quant`).
+"""Quantize and dequantize INT8 (per row or group-wise) / INT4 / INT3 weights with the Rust kernels
+(`squishlike.rust_quant`).
 
 Same functions and signatures as the NumPy spec in `squishlike.quant.reference`, with the same bits out, at memory
 speed. See that module for the conventions: dtype names, bfloat16 as raw uint16, N-D weights seen as 2-D.
@@ -26,6 +27,8 @@ from squishlike.quant.reference import (
 __all__ = [
     "quantize_int8",
     "dequantize_int8",
+    "quantize_int8g",
+    "dequantize_int8g",
     "quantize_int4",
     "dequantize_int4",
     "pack_int4",
@@ -58,6 +61,38 @@ def dequantize_int8(
     """q * scale per row -> [r, c] in out_dtype (uint16 bits for bfloat16)."""
     out = _out(out, rows_cols(q.shape, "q"), out_dtype)
     _rq.dequantize_int8(q, scales, out, out_dtype)
+    return out
+
+
+def quantize_int8g(
+    w: np.ndarray,
+    *,
+    src_dtype: str | None = None,
+    group_size: int = 64,
+    scale_dtype: str = "bfloat16",
+    clip_search: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group-wise INT8 -> (codes uint8 [r, c], scales [r, c//g], biases [r, c//g]) in scale_dtype.
+
+    Without clip search, mx.quantize(w, bits=8, group_size=group_size)'s values bit for bit (scale_dtype = w's).
+    """
+    return _quantize_affine(_rq.quantize_int8g, w, src_dtype, group_size, scale_dtype, clip_search,
+                            lambda cols: cols, np.uint8)
+
+
+def dequantize_int8g(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    group_size: int,
+    scale_dtype: str = "bfloat16",
+    out_dtype: str = "bfloat16",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Bit-identical to mx.dequantize(packed.view("<u4"), scales, biases, bits=8) in out_dtype."""
+    out = _out(out, rows_cols(packed.shape, "packed"), out_dtype)
+    _rq.dequantize_int8g(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
     return out
 
 

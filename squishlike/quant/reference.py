@@ -8,10 +8,10 @@ Conventions shared by every function here and in `squishlike.quant`:
 - An N-D weight is treated as 2-D: rows = product of the leading dims, cols = the last dim. Rows may be 0.
 - All arithmetic is float32 with round-half-to-even (``np.rint``). Converting float32 to float16/bfloat16 rounds to
   nearest even; float16 and bfloat16 overflow to inf.
-- Affine dequantization (INT4/INT3) is what ``mx.dequantize`` computes on mlx[cpu] 0.32.4, found by experiment for
-  every scale and output dtype: ``out = cast_out(T(T(q * scale) + bias))`` where ``T`` rounds to the *scale* dtype
-  after the multiply and again after the add (for float32 scales that is plain float32 arithmetic, no fused
-  multiply-add), and only then is the result cast to the output dtype.
+- Affine dequantization (INT4, INT3, group-wise INT8) is what ``mx.dequantize`` computes on mlx[cpu] 0.32.4, found
+  by experiment for every scale and output dtype: ``out = cast_out(T(T(q * scale) + bias))`` where ``T`` rounds to
+  the *scale* dtype after the multiply and again after the add (for float32 scales that is plain float32
+  arithmetic, no fused multiply-add), and only then is the result cast to the output dtype.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from squishlike.errors import QuantizationError
 DTYPES = ("float32", "float16", "bfloat16")
 INT4_GROUP_SIZES = (32, 64, 128)
 INT3_GROUP_SIZES = (32, 64, 128)  # mx.quantize(bits=3) accepts all three
+INT8G_GROUP_SIZES = (32, 64, 128)
 INT4_LEVELS = 15
 INT3_LEVELS = 7
-_AFFINE = {"int4": (INT4_LEVELS, INT4_GROUP_SIZES), "int3": (INT3_LEVELS, INT3_GROUP_SIZES)}
+INT8G_LEVELS = 255
+_MLX_EPS = np.float32(1e-7)  # mx.quantize's smallest group width
 
 # Clip search: shrink each end of a group's [min, max] toward the other by k % of the range, k = 0..10, so the
 # width is scaled by 1.00, 0.98, ..., 0.80. The shrink amounts are float32 values of k/100 (Rust computes
@@ -166,15 +168,46 @@ def dequantize_int8(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Affine group quantization (INT4, INT3)
+# Affine group quantization (INT4, INT3, group-wise INT8)
 
 
-def _affine_params(lo: np.ndarray, hi: np.ndarray, levels: int, scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, bias) of a group spanning [lo, hi], each already rounded to scale_dtype (float32 arrays)."""
+# A group's grid is ((scale, bias) the codes are picked with, (scale, bias) stored): float32 arrays, the stored pair
+# rounded to scale_dtype. The runtime dequantizes with the stored pair.
+Grid = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def _min_max_grid(lo: np.ndarray, hi: np.ndarray, levels: int, scale_dtype: str) -> Grid:
+    """INT4, INT3: scale (hi - lo) / levels and bias lo, rounded to scale_dtype, and codes picked with them."""
     with np.errstate(over="ignore"):
         s = round_to(((hi - lo) / np.float32(levels)).astype(np.float32), scale_dtype)
         z = round_to(lo, scale_dtype)
-    return s, z
+    return (s, z), (s, z)
+
+
+def _mlx_grid(lo: np.ndarray, hi: np.ndarray, levels: int, scale_dtype: str) -> Grid:
+    """Group-wise INT8: the grid mx.quantize chooses on mlx[cpu] 0.32.4, all in float32.
+
+    The end of [lo, hi] farther from zero (`edge`) falls exactly on a code: the scale, at least 1e-7 wide, points
+    from it into the group (negative when edge is hi), and the bias is edge (0 where edge rounds to code 0). Codes
+    are picked with this unrounded scale and bias, as MLX does; both are then rounded to scale_dtype. A scale of 0
+    (edge / inf) picks code 0, whose value is then the bias.
+    """
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        width = np.maximum(((hi - lo) / np.float32(levels)).astype(np.float32), _MLX_EPS)
+        far_low = np.abs(lo) > np.abs(hi)
+        s, edge = np.where(far_low, width, -width), np.where(far_low, lo, hi)
+        q0 = np.rint(edge / s)
+        on_code = q0 != 0
+        s = np.where(on_code, edge / q0, s).astype(np.float32)
+        z = np.where(on_code, edge, np.float32(0)).astype(np.float32)
+        return (s, z), (round_to(s, scale_dtype), round_to(z, scale_dtype))
+
+
+_AFFINE = {
+    "int4": (INT4_LEVELS, INT4_GROUP_SIZES, _min_max_grid),
+    "int3": (INT3_LEVELS, INT3_GROUP_SIZES, _min_max_grid),
+    "int8g": (INT8G_LEVELS, INT8G_GROUP_SIZES, _mlx_grid),
+}
 
 
 def _affine_q(w: np.ndarray, s: np.ndarray, z: np.ndarray, levels: int) -> np.ndarray:
@@ -188,6 +221,12 @@ def _affine_value(q: np.ndarray, s: np.ndarray, z: np.ndarray, scale_dtype: str)
     """What mx.dequantize computes for one element, in the scale dtype (see the module docstring)."""
     with np.errstate(over="ignore"):
         return round_to(round_to(q * s, scale_dtype) + z, scale_dtype)
+
+
+def _grid_error(g: np.ndarray, grid: Grid, levels: int, scale_dtype: str) -> np.ndarray:
+    """Squared error of groups g quantized on `grid` and dequantized as the runtime does."""
+    (ps, pz), (s, z) = grid
+    return _sq_error(_affine_value(_affine_q(g, ps, pz, levels), s, z, scale_dtype), g)
 
 
 def _sq_error(v: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -212,7 +251,7 @@ def _affine_quantize(
     w: np.ndarray, src_dtype: str | None, group_size: int, scale_dtype: str, clip_search: bool, scheme: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group-wise affine quantization: (q uint8 [r, c], scales [r, c//g], biases [r, c//g]) in scale_dtype storage."""
-    levels, group_sizes = _AFFINE[scheme]
+    levels, group_sizes, grid_of = _AFFINE[scheme]
     w = _as_2d(to_float32(w, src_dtype_of(w, src_dtype)), "w")
     storage_dtype(scale_dtype)  # an unknown name fails here, before any work
     rows, cols = w.shape
@@ -222,20 +261,22 @@ def _affine_quantize(
     # min/max may return either zero when a group holds both -0.0 and +0.0; adding +0.0 makes it +0.0
     lo = g.min(axis=-1, keepdims=True, initial=np.float32(np.inf)) + np.float32(0)
     hi = g.max(axis=-1, keepdims=True, initial=np.float32(-np.inf)) + np.float32(0)
-    s, z = _affine_params(lo, hi, levels, scale_dtype)
-    if not (np.isfinite(s).all() and np.isfinite(z).all()):
+    grid = grid_of(lo, hi, levels, scale_dtype)
+    if not all(np.isfinite(a).all() for a in grid[1]):
         raise QuantizationError(f"{scheme}: a group's scale or bias overflows {scale_dtype}; use a wider scale_dtype")
     if clip_search:
-        best = _sq_error(_affine_value(_affine_q(g, s, z, levels), s, z, scale_dtype), g)
+        best = _grid_error(g, grid, levels, scale_dtype)
         with np.errstate(over="ignore", invalid="ignore"):
             span = hi - lo
             for t in CLIP_SHRINK[1:]:
-                s_t, z_t = _affine_params(lo + t * span, hi - t * span, levels, scale_dtype)
-                err = _sq_error(_affine_value(_affine_q(g, s_t, z_t, levels), s_t, z_t, scale_dtype), g)
+                grid_t = grid_of(lo + t * span, hi - t * span, levels, scale_dtype)
+                err = _grid_error(g, grid_t, levels, scale_dtype)
                 better = (err < best)[..., None]  # strict: ties keep the wider range
                 best = np.where(better[..., 0], err, best)
-                s, z = np.where(better, s_t, s), np.where(better, z_t, z)
-    q = _affine_q(g, s, z, levels).astype(np.uint8).reshape(rows, cols)
+                grid = tuple(tuple(np.where(better, new, old) for new, old in zip(pair_t, pair))
+                             for pair_t, pair in zip(grid_t, grid))
+    (ps, pz), (s, z) = grid
+    q = _affine_q(g, ps, pz, levels).astype(np.uint8).reshape(rows, cols)
     return q, from_float32(s[..., 0], scale_dtype), from_float32(z[..., 0], scale_dtype)
 
 
@@ -407,3 +448,43 @@ def dequantize_int3(
     packed = _as_2d(np.asarray(packed), "packed")
     q = unpack_int3(packed, packed.shape[1] * 32 // 3)
     return _affine_dequantize(q, scales, biases, group_size, scale_dtype, out_dtype, out, "int3")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# INT8, group-wise asymmetric
+#
+# MLX's 8-bit affine form: one code per byte, so the codes are their own packing, and read as little-endian uint32
+# words (element k at bits 8k..8k+7) they are the words mx.quantize(bits=8) writes.
+
+
+def quantize_int8g(
+    w: np.ndarray,
+    *,
+    src_dtype: str | None = None,
+    group_size: int = 64,
+    scale_dtype: str = "bfloat16",
+    clip_search: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group-wise INT8 -> (codes uint8 [r, c], scales [r, c//g], biases [r, c//g]) in scale_dtype.
+
+    Without clip search these are the values of mx.quantize(w, bits=8, group_size=group_size) with scales and
+    biases in scale_dtype (MLX stores them in w's dtype), bit for bit.
+    """
+    return _affine_quantize(w, src_dtype, group_size, scale_dtype, clip_search, "int8g")
+
+
+def dequantize_int8g(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    group_size: int,
+    scale_dtype: str = "bfloat16",
+    out_dtype: str = "bfloat16",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Bit-identical to mx.dequantize(packed.view("<u4"), scales, biases, bits=8) cast to out_dtype."""
+    packed = _as_2d(np.asarray(packed), "packed")
+    if packed.dtype != np.uint8:
+        raise TypeError(f"packed has dtype {packed.dtype}; expected uint8")
+    return _affine_dequantize(packed, scales, biases, group_size, scale_dtype, out_dtype, out, "int8g")
