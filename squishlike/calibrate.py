@@ -666,7 +666,7 @@ def int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, A
 def write_int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, Any]:
     """Run the gate on the unpublished store at `store_dir` and record it as manifest["int3_gate"] (atomically,
     through storage.write_json, before compress publishes the directory)."""
-    from .formats.npydir import MANIFEST
+    from .npydir import MANIFEST
     from .storage import read_json, write_json
 
     record = int3_gate(provider, Path(store_dir), opts, plan)

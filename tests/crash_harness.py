@@ -294,7 +294,7 @@ def weights_digest(model) -> str:
 
 
 def ready_tiers(out: Path) -> dict[str, bool]:
-    from squishlike.formats.npydir import NpyDir
+    from squishlike.npydir import NpyDir
     from squishlike.tiers import ORDER
 
     store = NpyDir(out)
@@ -303,7 +303,7 @@ def ready_tiers(out: Path) -> dict[str, bool]:
 
 def lying_sentinels(out: Path) -> list[str]:
     """Every sentinel that counts as ready but whose files do not match their recorded size and checksum."""
-    from squishlike.formats.npydir import NpyDir
+    from squishlike.npydir import NpyDir
     from squishlike.storage import verify_files
     from squishlike.tiers import ORDER
 
@@ -455,7 +455,7 @@ class CrashLab:
     def compress_trial(self, *, env: dict | None = None, kill_after: float | None = None, force: bool = False,
                        send_signal: int = signal.SIGKILL, keep: bool = False) -> dict:
         import squishlike
-        from squishlike.formats.npydir import NpyDir
+        from squishlike.npydir import NpyDir
         from squishlike.info import verify
 
         d = self._trial_dir()

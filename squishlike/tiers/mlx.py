@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..formats.npydir import NpyDir
+from ..npydir import NpyDir
 from ..storage import atomic_stream, write_sentinel
 from .base import Loaded, Tier, mlx_names
 from .fastmem import load_parallel, prefetch
@@ -35,7 +35,7 @@ class MlxTier(Tier):
         self.invalidate(store)
         names = mlx_names(store)
         dtype = store.runtime_dtype
-        tensors = [(names[n], dtype, store.entries[n]["shape"], dense[n]) for n in store.entries]
+        tensors = [(names[n], dtype, store.entries[n].shape, dense[n]) for n in store.entries]
         record = write_safetensors(store.path / WEIGHTS, tensors)
         write_sentinel(
             store.path / self.sentinel, manifest_fingerprint=store.fingerprint, files={WEIGHTS: record}, tier=self.name
