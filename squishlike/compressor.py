@@ -25,20 +25,9 @@ from tqdm.auto import tqdm
 from . import quant
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import OutputExistsError, QuantizationError
-from .npydir import (
-    MANIFEST,
-    SCHEMES,
-    TENSORS,
-    ErrorStats,
-    FileRecord,
-    Manifest,
-    Policy,
-    Source,
-    TensorEntry,
-    encode_key,
-    is_npydir,
-)
-from .quant.schemes import QUANTIZED, rows_cols
+from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
+from .npydir.manifest import encode_key
+from .quant.schemes import QUANTIZED, SCHEMES, rows_cols
 from .hub import resolve_local
 from .provider import WeightProvider
 from .storage import (
@@ -240,7 +229,8 @@ def _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pendin
         if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
             array, src_dtype = plan.apply(name, array, src_dtype)
             scheme, reason = plan.scheme(name, scheme, reason)
-        entry = TensorEntry(encode_key(name), source_name, array.shape, info.dtype if info else src_dtype, scheme, reason)
+        dtype = info.dtype if info else src_dtype
+        entry = TensorEntry(encode_key(name), source_name, array.shape, dtype, scheme, reason)
         if entry.kind.quantized:
             if entry.kind.grouped:  # INT8 scales are always float32, one per row
                 entry.group_size, entry.scale_dtype = opts.group_size, runtime

@@ -8,11 +8,12 @@ ask for a part no file could hold, or mix a scheme with another scheme's parts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -46,19 +47,30 @@ def part_file(key: str, suffix: str) -> str:
     return f"{TENSORS}/{key}__{suffix}.npy"
 
 
-# -- field checks: each returns the value or raises ValueError/TypeError saying what is wrong
+# -- field checks: each returns the value or raises TypeError/ValueError saying what is wrong
+
+_KINDS = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object"}
+
+
+def _typed(v: Any, kind: type, what: str) -> Any:
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise TypeError(f"{what} {v!r} is not {_KINDS[kind]}")
+    return v
 
 
 def _size(v: Any, what: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{what} {v!r} is not a non-negative integer")
+    if _typed(v, int, what) < 0:
+        raise ValueError(f"{what} {v!r} is negative")
     return v
 
 
-def _str(v: Any, what: str) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"{what} {v!r} is not a string")
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} {v!r} is not a number")
     return v
+
+
+_FIELD_CHECKS = {"int": _size, "float": _number, "str": lambda v, what: _typed(v, str, what)}
 
 
 def _dtype(v: Any, what: str) -> str:
@@ -67,53 +79,40 @@ def _dtype(v: Any, what: str) -> str:
     return v
 
 
-def _bool(v: Any, what: str) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{what} {v!r} is not true or false")
-    return v
-
-
-def _table(v: Any, what: str) -> dict:
-    if not isinstance(v, dict):
-        raise TypeError(f"{what} is not a JSON object")
-    return v
-
-
 def _drop_none(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
+_R = TypeVar("_R", bound="_Flat")
+
+
+class _Flat:
+    """A record whose JSON object is its fields, as they are: each checked by its annotated type."""
+
+    @classmethod
+    def from_json(cls: type[_R], raw: Any) -> _R:
+        raw = _typed(raw, dict, cls.__name__)
+        return cls(*(_FIELD_CHECKS[f.type](raw[f.name], f.name) for f in dataclasses.fields(cls)))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
-class FileRecord:
+class FileRecord(_Flat):
     """A file's size and SHA-256, as manifests and sentinels record it."""
 
     size: int
     sha256: str
 
-    @classmethod
-    def from_json(cls, raw: Any) -> FileRecord:
-        raw = _table(raw, "file record")
-        return cls(_size(raw["size"], "size"), _str(raw["sha256"], "sha256"))
-
-    def to_json(self) -> dict:
-        return {"size": self.size, "sha256": self.sha256}
-
 
 @dataclass(frozen=True)
-class ErrorStats:
+class ErrorStats(_Flat):
     """The quantization error measured at compress time on evenly sampled rows."""
 
     rel_error: float
     cosine: float
     sampled_rows: int
-
-    @classmethod
-    def from_json(cls, raw: Any) -> ErrorStats:
-        raw = _table(raw, "error")
-        return cls(float(raw["rel_error"]), float(raw["cosine"]), _size(raw["sampled_rows"], "sampled_rows"))
-
-    def to_json(self) -> dict:
-        return {"rel_error": self.rel_error, "cosine": self.cosine, "sampled_rows": self.sampled_rows}
 
 
 @dataclass
@@ -147,23 +146,24 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, name: str, raw: Any) -> TensorEntry:
-        raw = _table(raw, "entry")
+        raw = _typed(raw, dict, "entry")
         shape = raw["shape"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(shape, list):
+            raise TypeError(f"shape {shape!r} is not a list")
+        for d in shape:
+            _size(d, "shape dimension")
         scheme = raw["scheme"]
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}")
         kind = SCHEMES[scheme]
         entry = cls(
-            key=_str(raw["key"], "key"),
-            source_name=_str(raw["source_name"], "source_name"),
+            key=_typed(raw["key"], str, "key"),
+            source_name=_typed(raw["source_name"], str, "source_name"),
             shape=tuple(shape),
-            dtype=_str(raw["dtype"], "dtype"),
+            dtype=_typed(raw["dtype"], str, "dtype"),
             scheme=scheme,
-            reason=_str(raw["reason"], "reason"),
-            files={suffix: FileRecord.from_json(r) for suffix, r in _table(raw["files"], "files").items()},
+            reason=_typed(raw["reason"], str, "reason"),
+            files={suffix: FileRecord.from_json(r) for suffix, r in _typed(raw["files"], dict, "files").items()},
             group_size=_size(raw["group_size"], "group_size") if kind.grouped else None,
             scale_dtype=_dtype(raw["scale_dtype"], "scale_dtype") if kind.grouped else None,
             stored_dtype=_dtype(raw["stored_dtype"], "stored_dtype") if not kind.quantized else None,
@@ -203,20 +203,12 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
-class Source:
+class Source(_Flat):
     """The model a store was compressed from: where it was, its format, and a fingerprint of its files."""
 
     path: str
     format: str
     fingerprint: str
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Source:
-        raw = _table(raw, "source")
-        return cls(_str(raw["path"], "path"), _str(raw["format"], "format"), _str(raw["fingerprint"], "fingerprint"))
-
-    def to_json(self) -> dict:
-        return {"path": self.path, "format": self.format, "fingerprint": self.fingerprint}
 
 
 @dataclass(frozen=True)
@@ -227,7 +219,7 @@ class Policy:
 
     @classmethod
     def from_json(cls, raw: Any) -> Policy:
-        tiers = _table(raw, "policy")["tiers"]
+        tiers = _typed(raw, dict, "policy")["tiers"]
         if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
             raise TypeError(f"policy tiers {tiers!r} is not a list of tier names")
         return cls(tuple(tiers))
@@ -272,16 +264,16 @@ class Manifest:
                 raise FormatError(path, f"side file {rel!r} is not a plain file name")
         try:
             manifest = cls(
-                model_type=_str(raw["model_type"], "model_type"),
+                model_type=_typed(raw["model_type"], str, "model_type"),
                 runtime_dtype=raw["runtime_dtype"],
-                scheme=_str(raw["scheme"], "scheme"),
+                scheme=_typed(raw["scheme"], str, "scheme"),
                 group_size=_size(raw["group_size"], "group_size"),
-                clip_search=_bool(raw["clip_search"], "clip_search"),
+                clip_search=_typed(raw["clip_search"], bool, "clip_search"),
                 source=Source.from_json(raw["source"]),
                 policy=Policy.from_json(raw["policy"]),
                 tensors={},
                 side_files={rel: FileRecord.from_json(r) for rel, r in side.items()},
-                int3_gate=_table(raw["int3_gate"], "int3_gate") if "int3_gate" in raw else None,
+                int3_gate=_typed(raw["int3_gate"], dict, "int3_gate") if "int3_gate" in raw else None,
                 extra={k: v for k, v in raw.items() if k not in cls._FIELDS},
             )
         except (KeyError, TypeError, ValueError) as e:

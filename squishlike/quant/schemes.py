@@ -61,6 +61,10 @@ class Scheme:
         """Words of packed codes per row of `cols` values."""
         return cols // self.block * self.block_words
 
+    def uint32_cols(self, cols: int) -> int:
+        """The packed width in the uint32 words MLX keeps quantized weights in."""
+        return self.packed_cols(cols) * np.dtype(self.word).itemsize // 4
+
     def unpacked_cols(self, words: int) -> int:
         """Values per row of `words` packed words."""
         return words // self.block_words * self.block

@@ -53,7 +53,7 @@ class QuantizedTier(Tier):
                 # zero-copy views of the store's bytes, never all mapped (and counted in RSS) at once.
                 q_part, s_part, z_part = entry.kind.suffixes
                 lead, cols = list(entry.shape[:-1]), entry.shape[-1]
-                words = entry.kind.packed_cols(cols) * entry.kind.word.itemsize // 4  # as MLX's uint32 words
+                words = entry.kind.uint32_cols(cols)
                 groups = cols // entry.group_size
                 prefix = names[name].removesuffix(".weight")
                 sd = entry.scale_dtype
