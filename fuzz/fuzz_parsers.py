@@ -113,14 +113,14 @@ class Workspace:
             int8 = squishlike.compress(self.hf, root / "int8", format="int8", tiers=())
             int4 = squishlike.compress(self.hf, root / "int4", format="int4", group_size=32, tiers=())
             int3 = squishlike.compress(self.hf, root / "int3", format="int3", group_size=32, tiers=())
-            from squishlike.formats.npydir import NpyDir
+            from squishlike.npydir import NpyDir
 
             self.parts = []  # (store, tensor name, suffix, path)
             for path in (int8, int4, int3):
                 store = NpyDir(path)
                 for name, entry in store.entries.items():
-                    for suffix in entry["files"]:
-                        if len(self.parts) < 255 and (entry["scheme"] != "passthrough" or len(self.parts) % 3 == 0):
+                    for suffix in entry.files:
+                        if len(self.parts) < 255 and (entry.kind.quantized or len(self.parts) % 3 == 0):
                             self.parts.append((store, name, suffix, store.part_path(name, suffix)))
             for i, (_, _, _, p) in enumerate(self.parts[:12]):
                 seeds.append(bytes([i]) + p.read_bytes())
@@ -130,7 +130,7 @@ class Workspace:
             self.file = self.dir / "manifest.json"
             seeds.append(self.file.read_bytes())
         elif target == "sentinel":
-            from squishlike.formats.npydir import NpyDir
+            from squishlike.npydir import NpyDir
 
             self.dir = shutil.copytree(self.base.built, root / "store")
             self.store = NpyDir(self.dir)
@@ -229,7 +229,7 @@ def _eval(a) -> None:
 def make_target(target: str, ws: Workspace):
     from squishlike.formats.gguf import GGUFReader
     from squishlike.formats.mlx import MLXReader
-    from squishlike.formats.npydir import NpyDir
+    from squishlike.npydir import NpyDir
     from squishlike.formats.ollama import OllamaReader
     from squishlike.formats.safetensors import HFReader
     from squishlike.provider import WeightProvider
@@ -292,11 +292,7 @@ def make_target(target: str, ws: Workspace):
                 store.dequantize(name)
                 store.quantized(name)
                 if hasattr(store, "read_part_into"):
-                    entry = store.entry(name)
-                    from squishlike.formats.npydir import SCHEMES, _part_spec
-
-                    spec = next(p for p in SCHEMES[entry["scheme"]] if p.suffix == suffix)
-                    dtype, shape = _part_spec(entry, spec)
+                    dtype, shape = store.entry(name).part_spec(suffix)
                     store.read_part_into(name, suffix, np.empty(shape, dtype))
             finally:
                 path.write_bytes(ws.originals[path])

@@ -497,7 +497,7 @@ def _run_script(code: str) -> None:
 
 def prepare_store(source: Path, out: Path, fmt: str, with_finalized: bool) -> Path:
     """A compressed npy-dir (default cache policy) whose caches are built, plus the finalized tier if asked."""
-    from squishlike.formats.npydir import NpyDir
+    from squishlike.npydir import NpyDir
     from squishlike.tiers import tier_status
 
     ready = NpyDir.is_npydir(out) and NpyDir(out).manifest.get("source", {}).get("path") == str(source.absolute())
@@ -509,7 +509,7 @@ def prepare_store(source: Path, out: Path, fmt: str, with_finalized: bool) -> Pa
         _run_script(f"import squishlike; squishlike.load({str(out)!r})")  # the first load builds the caches
     if with_finalized and tier_status(NpyDir(out))["finalized"] != "ready":
         _run_script(
-            "from squishlike.formats.npydir import NpyDir\n"
+            "from squishlike.npydir import NpyDir\n"
             "from squishlike.tiers import BY_NAME, _cold\n"
             f"store = NpyDir({str(out)!r}); BY_NAME['finalized'].build(store, _cold(store)[1])")
     return out
@@ -523,7 +523,7 @@ def _policy_tiers(store) -> list:
 
 def fresh_clone(store: Path, dest: Path) -> Path:
     """A hard-linked copy of an npy-dir's at-rest part (manifest, side files, tensors/) with no tier caches."""
-    from squishlike.formats.npydir import MANIFEST, TENSORS, NpyDir
+    from squishlike.npydir import MANIFEST, TENSORS, NpyDir
 
     if dest.exists():
         shutil.rmtree(dest)
@@ -538,7 +538,7 @@ def fresh_clone(store: Path, dest: Path) -> Path:
 
 def reset_fresh(dest: Path) -> None:
     """Back to a fresh npy-dir: remove every cache and sentinel (never the hard-linked store files)."""
-    from squishlike.formats.npydir import MANIFEST, TENSORS, NpyDir
+    from squishlike.npydir import MANIFEST, TENSORS, NpyDir
 
     keep = {MANIFEST, TENSORS, *NpyDir(dest).manifest.get("side_files", {})}
     for p in dest.iterdir():

@@ -666,8 +666,8 @@ def int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, A
 def write_int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, Any]:
     """Run the gate on the unpublished store at `store_dir` and record it as manifest["int3_gate"] (atomically,
     through io.atomic.write_json, before compress publishes the directory)."""
-    from .formats.npydir import MANIFEST
     from .io.atomic import read_json, write_json
+    from .npydir import MANIFEST
 
     record = int3_gate(provider, Path(store_dir), opts, plan)
     manifest = read_json(Path(store_dir) / MANIFEST)

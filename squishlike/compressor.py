@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 from . import quant
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import OutputExistsError, QuantizationError
-from .formats.npydir import FORMAT, FORMAT_VERSION, MANIFEST, SCHEMES, TENSORS, NpyDir, encode_key, rows_cols
+from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
+from .npydir.manifest import encode_key
+from .quant.schemes import QUANTIZED, SCHEMES, rows_cols
 from .hub import resolve_local
 from .provider import WeightProvider
 from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, write_json
@@ -33,8 +35,10 @@ from .io.checksum import file_record
 from .io.lock import exclusive
 from .io.npy import write_npy_stream
 
-FORMATS = ("int8", "int4", "int3")
-GROUP_SIZES = {"int8": (32, 64, 128), "int4": (32, 64, 128), "int3": (32, 64)}
+FORMATS = QUANTIZED
+# The group sizes compress offers. INT8 is per row and ignores it; INT3 offers only the sizes its accuracy gate
+# is specified for, though its kernels (like mx.quantize) also take 128.
+GROUP_SIZES = {"int8": SCHEMES["int4"].group_sizes, "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
 ALL_TIERS = ("mlx", "finalized", "int4", "int3")
 
 # A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
@@ -182,7 +186,7 @@ def _check_output(out: Path, force: bool) -> None:
         return
     if not force:
         raise OutputExistsError(f"{out}: exists and is not empty; pass --force to replace it")
-    if not NpyDir.is_npydir(out):
+    if not is_npydir(out):
         # --force replaces only what squishlike made; it never deletes a stranger's files.
         raise OutputExistsError(f"{out}: exists and is not a squishlike npy-dir; refusing to replace it")
 
@@ -210,27 +214,18 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions) -> t
 
 
 def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, scale_dtype: str) -> dict:
-    rows, cols = rows_cols(array.shape)
-    w = array.reshape(rows, cols)
-    if scheme == "int8":
-        parts = quant.quantize_int8(w, src_dtype=src_dtype)
-    else:
-        fn = quant.quantize_int4 if scheme == "int4" else quant.quantize_int3
-        parts = fn(w, src_dtype=src_dtype, group_size=opts.group_size, scale_dtype=scale_dtype, clip_search=opts.clip_search)
-    return {p.suffix: a for p, a in zip(SCHEMES[scheme], parts)}
+    parts = quant.quantize(scheme, array.reshape(rows_cols(array.shape)), src_dtype=src_dtype,
+                           group_size=opts.group_size, scale_dtype=scale_dtype, clip_search=opts.clip_search)
+    return dict(zip(SCHEMES[scheme].suffixes, parts))
 
 
-def error_stats(original: np.ndarray, src_dtype: str, parts: dict, entry: dict, runtime: str) -> dict:
+def error_stats(original: np.ndarray, src_dtype: str, parts: dict, entry: TensorEntry) -> ErrorStats:
     """Relative error and cosine similarity of the dequantized tensor on evenly sampled rows."""
-    rows, cols = rows_cols(entry["shape"])
+    rows, cols = rows_cols(entry.shape)
     pick = np.unique(np.linspace(0, rows - 1, min(rows, _SAMPLE_ROWS)).astype(np.int64))
-    sampled = {k: np.ascontiguousarray(v[pick]) for k, v in parts.items()}
-    if entry["scheme"] == "int8":
-        approx = quant.dequantize_int8(sampled["q"], sampled["s"], out_dtype="float32")
-    else:
-        fn = quant.dequantize_int4 if entry["scheme"] == "int4" else quant.dequantize_int3
-        q, s, z = (sampled[p.suffix] for p in SCHEMES[entry["scheme"]])
-        approx = fn(q, s, z, group_size=entry["group_size"], scale_dtype=runtime, out_dtype="float32")
+    sampled = [np.ascontiguousarray(parts[suffix][pick]) for suffix in entry.kind.suffixes]
+    approx = quant.dequantize(entry.scheme, *sampled, group_size=entry.group_size, scale_dtype=entry.scale_dtype,
+                              out_dtype="float32")
     exact = as_float32(np.ascontiguousarray(original.reshape(rows, cols)[pick]), src_dtype).astype(np.float64).ravel()
     approx = approx.astype(np.float64).ravel()
     # Sums of products with einsum, not np.linalg.norm / np.dot, whose multithreaded BLAS spins on a busy machine
@@ -240,7 +235,7 @@ def error_stats(original: np.ndarray, src_dtype: str, parts: dict, entry: dict, 
     rel = float(math.sqrt(np.einsum("i,i->", diff, diff)) / norm) if norm > 0 else 0.0
     denom = norm * math.sqrt(np.einsum("i,i->", approx, approx))
     cosine = float(np.einsum("i,i->", exact, approx) / denom) if denom > 0 else 1.0
-    return {"rel_error": round(rel, 6), "cosine": round(cosine, 6), "sampled_rows": int(len(pick))}
+    return ErrorStats(round(rel, 6), round(cosine, 6), int(len(pick)))
 
 
 def as_float32(a: np.ndarray, name: str) -> np.ndarray:
@@ -254,7 +249,7 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
     infos = provider.reader.tensors()
     names = provider.names()
     (tmp / TENSORS).mkdir()
-    entries: dict[str, dict] = {}
+    entries: dict[str, TensorEntry] = {}
     source_bytes = sum(t.nbytes for t in infos.values())
     bar = tqdm(total=source_bytes, unit="B", unit_scale=True, desc="compress", disable=None, file=sys.stderr)
     # A pipeline of two: while the main thread reads and quantizes tensor i+1 (the Rust kernels use every core),
@@ -290,17 +285,11 @@ def _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pendin
         if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
             array, src_dtype = plan.apply(name, array, src_dtype)
             scheme, reason = plan.scheme(name, scheme, reason)
-        entry = {
-            "key": encode_key(name),
-            "source_name": source_name,
-            "shape": list(array.shape),
-            "dtype": info.dtype if info else src_dtype,
-            "scheme": scheme,
-            "reason": reason,
-        }
-        if scheme != "passthrough":
-            if scheme != "int8":  # INT8 scales are always float32, one per row
-                entry.update(group_size=opts.group_size, scale_dtype=runtime)
+        dtype = info.dtype if info else src_dtype
+        entry = TensorEntry(encode_key(name), source_name, array.shape, dtype, scheme, reason)
+        if entry.kind.quantized:
+            if entry.kind.grouped:  # INT8 scales are always float32, one per row
+                entry.group_size, entry.scale_dtype = opts.group_size, runtime
             try:
                 parts = _quantize(array, src_dtype, scheme, opts, runtime)
             except ValueError as e:
@@ -313,60 +302,54 @@ def _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pendin
         pending.append((name, future, info.nbytes if info else array.nbytes))
 
 
-def _finish_tensor(tmp: Path, entry: dict, array: np.ndarray, src_dtype: str, parts: dict | None,
-                   runtime: str) -> dict:
+def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: str, parts: dict | None,
+                   runtime: str) -> TensorEntry:
     """Error statistics, the outlier check, and the tensor's files: the manifest entry, complete."""
-    scheme = entry["scheme"]
-    if scheme != "passthrough":
-        entry["error"] = error_stats(array, src_dtype, parts, entry, runtime)
-        if entry["error"]["rel_error"] > ERROR_LIMITS[scheme]:
-            entry.update(scheme="passthrough", reason=f"outliers: relative error {entry['error']['rel_error']:.3f} "
-                         f"> {ERROR_LIMITS[scheme]} for {scheme}")
-            for k in ("group_size", "scale_dtype"):
-                entry.pop(k, None)
-    if entry["scheme"] == "passthrough":
-        if entry["dtype"] not in NP_STORAGE and src_dtype != runtime:
+    scheme = entry.scheme
+    if entry.kind.quantized:
+        entry.error = error_stats(array, src_dtype, parts, entry)
+        if entry.error.rel_error > ERROR_LIMITS[scheme]:
+            entry.scheme = "passthrough"
+            entry.reason = f"outliers: relative error {entry.error.rel_error:.3f} > {ERROR_LIMITS[scheme]} for {scheme}"
+            entry.group_size = entry.scale_dtype = None
+    if not entry.kind.quantized:
+        if entry.dtype not in NP_STORAGE and src_dtype != runtime:
             # Dequantized from a quantized source (a GGUF Q8_0 embedding): its float32 values hold no more than the
             # runtime dtype it is cast to at load, so store that (the same mx rounding, half the bytes at rest).
             array, src_dtype = to_numpy(to_mx(array, src_dtype).astype(MX_DTYPES[runtime]))
-        parts = {"pt": array}
-        entry["stored_dtype"] = src_dtype
+        parts = dict(zip(entry.kind.suffixes, [array]))
+        entry.stored_dtype = src_dtype
     # Inside the temp directory that publish_dir fsyncs and renames as a whole: no per-file temp name and fsync.
-    entry["files"] = {
-        suffix: write_npy_stream(tmp / TENSORS / f"{entry['key']}__{suffix}.npy", part, atomic=False)
+    entry.files = {
+        suffix: FileRecord.from_json(write_npy_stream(tmp / entry.part_file(suffix), part, atomic=False))
         for suffix, part in parts.items()
     }
     return entry
 
 
-def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict, source_bytes: int) -> dict:
-    side_files = {p.name: file_record(p) for p in provider.write_side_files(tmp)}
-    schemes = {e["scheme"] for e in entries.values()}
+def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, TensorEntry], source_bytes: int) -> dict:
+    side_files = {p.name: FileRecord.from_json(file_record(p)) for p in provider.write_side_files(tmp)}
+    schemes = {e.scheme for e in entries.values()}
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[s for s in ("int4", "int3") if s in schemes])
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "model_type": provider.config.model_type,
-        "runtime_dtype": runtime,
-        "scheme": opts.format,
-        "group_size": opts.group_size,
-        "clip_search": opts.clip_search,
-        "source": {
-            "path": str(Path(provider.reader.path).absolute()),
-            "format": provider.format,
-            "fingerprint": source_fingerprint(Path(provider.reader.path)),
-        },
-        "policy": {"tiers": list(tiers)},
-        "side_files": side_files,
-        "tensors": entries,
-        **opts.extra_manifest,
-    }
-    write_json(tmp / MANIFEST, manifest)
+    source = Path(provider.reader.path)
+    manifest = Manifest(
+        model_type=provider.config.model_type,
+        runtime_dtype=runtime,
+        scheme=opts.format,
+        group_size=opts.group_size,
+        clip_search=opts.clip_search,
+        source=Source(str(source.absolute()), provider.format, source_fingerprint(source)),
+        policy=Policy(tuple(tiers)),
+        tensors=entries,
+        side_files=side_files,
+        extra=dict(opts.extra_manifest),
+    )
+    write_json(tmp / MANIFEST, manifest.to_json())
     return {
         "tensors": len(entries),
-        "quantized": sum(e["scheme"] != "passthrough" for e in entries.values()),
+        "quantized": sum(e.kind.quantized for e in entries.values()),
         "source_bytes": source_bytes,
-        "store_bytes": sum(r["size"] for e in entries.values() for r in e["files"].values()),
+        "store_bytes": sum(r.size for r in manifest.part_files().values()),
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .formats.npydir import NpyDir
+from .npydir import NpyDir, is_npydir
 from .provider import WeightProvider
 from .io.sentinel import read_sentinel, verify_files
 from .tiers import ORDER, tier_status
@@ -19,15 +19,15 @@ def inspect_model(path: str | Path) -> dict:
             "config": provider.config.to_dict(),
             "tensors": [dict(row) for row in provider.listing()],
         }
-    if NpyDir.is_npydir(path):
+    if is_npydir(path):
         store = NpyDir(path)
         status = tier_status(store)
         report["store"] = {
-            "scheme": store.manifest["scheme"],
+            "scheme": store.manifest.scheme,
             "runtime_dtype": store.runtime_dtype,
-            "bytes": sum(r["size"] for r in store.part_files().values()),
-            "policy": store.manifest.get("policy", {}),
-            "int3_gate": store.manifest.get("int3_gate", {"passed": False, "reason": "store is not INT3"}),
+            "bytes": sum(r.size for r in store.part_files().values()),
+            "policy": store.manifest.policy.to_json(),
+            "int3_gate": store.manifest.int3_gate or {"passed": False, "reason": "store is not INT3"},
         }
         report["tiers"] = {}
         for tier in ORDER:
@@ -35,7 +35,7 @@ def inspect_model(path: str | Path) -> dict:
             size = sum(r["size"] for r in payload["files"].values()) if payload else 0
             report["tiers"][tier.name] = {"state": status[tier.name], "bytes": size, "wanted": tier.wanted(store)}
         report["quality"] = {
-            name: {"scheme": e["scheme"], "reason": e["reason"], **e.get("error", {})}
+            name: {"scheme": e.scheme, "reason": e.reason, **(e.error.to_json() if e.error else {})}
             for name, e in store.entries.items()
         }
     return report
@@ -44,8 +44,8 @@ def inspect_model(path: str | Path) -> dict:
 def verify(path: str | Path) -> list[str]:
     """Re-read every file of the store and of each ready tier against its checksum. [] means all is well."""
     store = NpyDir(path)
-    problems = verify_files(store.path, store.part_files())
-    problems += verify_files(store.path, store.manifest.get("side_files", {}))
+    recorded = {**store.part_files(), **store.manifest.side_files}
+    problems = verify_files(store.path, {rel: record.to_json() for rel, record in recorded.items()})
     for tier in ORDER:
         sentinel = store.path / tier.sentinel
         payload, why = read_sentinel(sentinel, store.fingerprint)

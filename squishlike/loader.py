@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import FormatError, SquishError
-from .formats.npydir import NpyDir
+from .npydir import NpyDir
 from .hub import resolve_local
 from .tiers import load_weights, prepare_memory, release_memory
 

@@ -294,7 +294,7 @@ def weights_digest(model) -> str:
 
 
 def ready_tiers(out: Path) -> dict[str, bool]:
-    from squishlike.formats.npydir import NpyDir
+    from squishlike.npydir import NpyDir
     from squishlike.tiers import ORDER
 
     store = NpyDir(out)
@@ -303,8 +303,8 @@ def ready_tiers(out: Path) -> dict[str, bool]:
 
 def lying_sentinels(out: Path) -> list[str]:
     """Every sentinel that counts as ready but whose files do not match their recorded size and checksum."""
-    from squishlike.formats.npydir import NpyDir
     from squishlike.io.sentinel import verify_files
+    from squishlike.npydir import NpyDir
     from squishlike.tiers import ORDER
 
     store = NpyDir(out)
@@ -442,7 +442,7 @@ class CrashLab:
     def compress_trial(self, *, env: dict | None = None, kill_after: float | None = None, force: bool = False,
                        send_signal: int = signal.SIGKILL, keep: bool = False) -> dict:
         import squishlike
-        from squishlike.formats.npydir import NpyDir
+        from squishlike.npydir import NpyDir
         from squishlike.info import verify
 
         d = self._trial_dir()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import squishlike
-from squishlike.formats.npydir import NpyDir
+from squishlike.npydir import NpyDir
 
 
 def cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
@@ -87,7 +87,7 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
     store = tmp_path / "store"
     cli("compress", tiny_llama, "-o", store, "--format", "int4")
     cli("compress", tiny_llama, "-o", store, "--format", "int8", "--force")
-    assert NpyDir(store).manifest["scheme"] == "int8"
+    assert NpyDir(store).manifest.scheme == "int8"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -137,7 +137,7 @@ def test_repo_id_from_the_local_hugging_face_cache(tiny_llama, tmp_path):
     done = subprocess.run([sys.executable, "-m", "squishlike", "compress", "tiny-org/tiny-llama", "-o",
                            str(tmp_path / "out")], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert NpyDir(tmp_path / "out").manifest["source"]["path"] == str(snapshot)
+    assert NpyDir(tmp_path / "out").manifest.source.path == str(snapshot)
     done = subprocess.run([sys.executable, "-m", "squishlike", "compress", "tiny-org/not-cached", "-o",
                            str(tmp_path / "out2")], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "tiny-org/not-cached" in done.stderr

@@ -12,7 +12,7 @@ from hostile_corpus import CASES, MARKER, build_base, fill
 
 import squishlike
 from squishlike.errors import SquishError, TierNotReadyError
-from squishlike.formats.npydir import NpyDir
+from squishlike.npydir import NpyDir
 from squishlike.provider import WeightProvider
 
 

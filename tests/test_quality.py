@@ -20,7 +20,7 @@ from tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logits, make_
 import squishlike
 from squishlike import calibrate
 from squishlike.errors import TierNotReadyError
-from squishlike.formats.npydir import NpyDir
+from squishlike.npydir import NpyDir
 from squishlike.info import inspect_model
 from squishlike.provider import WeightProvider
 from squishlike.tiers import load_weights
@@ -81,7 +81,7 @@ def test_awq_store_is_plain_int4_and_identical_in_every_tier(loud_llama, tmp_pat
     assert any(g["alpha"] > 0 for g in awq["groups"].values())
     assert manifest["calibration"]["text"] == "calibration" and manifest["calibration"]["tokens"] <= CALIB_TOKENS
     store = NpyDir(out)
-    assert {e["scheme"] for n, e in store.entries.items() if n.endswith("attention.q.weight")} == {"int4"}
+    assert {e.scheme for n, e in store.entries.items() if n.endswith("attention.q.weight")} == {"int4"}
 
     cold, _ = squishlike.load(out)  # builds every tier from the store
     assert load_weights(store).tier == "int4"
@@ -127,7 +127,7 @@ def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, k
         int4, _ = squishlike.load(out, tier="int4")
         modules = dict(int4.named_modules())
         for name in promoted:  # the 4-bit tier holds the INT8 tensors dense
-            assert type(modules[store.entries[name]["source_name"].removesuffix(".weight")]) is nn.Linear
+            assert type(modules[store.entries[name].source_name.removesuffix(".weight")]) is nn.Linear
         assert any(isinstance(m, nn.QuantizedLinear) for m in modules.values())
         tiers = ("int4", "mlx", "finalized", "cold")
     for tier in tiers:
@@ -141,7 +141,7 @@ def _int3(src, out, bound: float):
 
 def test_int3_gate_passes_with_a_loose_bound(tiny_llama, tmp_path):
     out = _int3(tiny_llama, tmp_path / "loose", 1.0)
-    gate = NpyDir(out).manifest["int3_gate"]
+    gate = NpyDir(out).manifest.int3_gate
     assert gate["passed"] is True and gate["bound"] == 1.0 and gate["text"] == "calibration"
     assert gate["candidate_ppl"] > 0 and gate["reference_ppl"] > 0 and gate["tokens"] == CALIB_TOKENS - 1
     assert gate["increase"] == pytest.approx(gate["candidate_ppl"] / gate["reference_ppl"] - 1, abs=1e-5)
@@ -155,20 +155,20 @@ def test_int3_gate_passes_with_a_loose_bound(tiny_llama, tmp_path):
 
 def test_int3_gate_fails_with_a_tight_bound(tiny_llama, tmp_path):
     """The same store measured again (compress is deterministic) against a bound just under its measured increase."""
-    measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest["int3_gate"]["increase"]
+    measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest.int3_gate["increase"]
     out = _int3(tiny_llama, tmp_path / "tight", measured - 0.005)
-    gate = NpyDir(out).manifest["int3_gate"]
+    gate = NpyDir(out).manifest.int3_gate
     assert gate["increase"] == pytest.approx(measured, abs=1e-6)
     assert gate["passed"] is False and "over the bound" in gate["reason"]
     squishlike.load(out)  # the cold path builds what the policy wants: not the 3-bit tier
     with pytest.raises(TierNotReadyError):
         squishlike.load(out, tier="int3")
     assert inspect_model(out)["store"]["int3_gate"]["reason"] == gate["reason"]
-    assert NpyDir(_int3(tiny_llama, tmp_path / "just", measured + 0.005)).manifest["int3_gate"]["passed"] is True
+    assert NpyDir(_int3(tiny_llama, tmp_path / "just", measured + 0.005)).manifest.int3_gate["passed"] is True
 
 
 def test_cli_flags_and_inspect_reason(tiny_llama, tmp_path):
-    measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest["int3_gate"]["increase"]
+    measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest.int3_gate["increase"]
     out = tmp_path / "cli3"
     done = subprocess.run(
         [sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o", str(out), "--format", "int3",
@@ -187,5 +187,5 @@ def test_awq_skipped_for_an_unsupported_family(tmp_path, tokenizer_dir):
     src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
     with pytest.warns(UserWarning, match="AWQ scaling skipped"):
         out = squishlike.compress(src, tmp_path / "g4", format="int4", awq=True, calibration_max_tokens=256)
-    awq = NpyDir(out).manifest["awq"]
+    awq = NpyDir(out).manifest.extra["awq"]
     assert awq["applied"] is False and "gemma3_text" in awq["reason"]

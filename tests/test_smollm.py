@@ -7,7 +7,7 @@ from mlx_lm import generate
 from tiny_models import assert_same_weights
 
 import squishlike
-from squishlike.formats.npydir import NpyDir
+from squishlike.npydir import NpyDir
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -41,10 +41,10 @@ def test_every_tier_identical_and_answers_paris(stores, fmt):
 
 def test_store_is_smaller_and_records_the_source(stores, smollm_gguf):
     store = NpyDir(stores["int4"])
-    assert store.manifest["source"]["format"] == "gguf"
-    assert store.manifest["model_type"] == "llama"
+    assert store.manifest.source.format == "gguf"
+    assert store.manifest.model_type == "llama"
     assert len([n for n in store.entries if n.startswith("layers.")]) == 30 * 9
-    int4_bytes = sum(r["size"] for r in store.part_files().values())
-    int8_bytes = sum(r["size"] for r in NpyDir(stores["int8"]).part_files().values())
+    int4_bytes = sum(r.size for r in store.part_files().values())
+    int8_bytes = sum(r.size for r in NpyDir(stores["int8"]).part_files().values())
     assert int4_bytes < int8_bytes
     assert "output.weight" not in store.entries  # tied embeddings

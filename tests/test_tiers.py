@@ -12,7 +12,7 @@ from tiny_models import assert_same_weights, cosine, logits
 
 import squishlike
 from squishlike.errors import TierNotReadyError
-from squishlike.formats.npydir import NpyDir
+from squishlike.npydir import NpyDir
 from squishlike.tiers import ORDER, load_weights
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
@@ -99,14 +99,14 @@ def test_load_options_match_mlx_lm(tiny_llama, tmp_path):
 def test_passthrough_rules_recorded(tiny_llama, tmp_path):
     out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", passthrough=("layers.0.*",))
     entries = NpyDir(out).entries
-    assert entries["layers.0.attention.q.weight"]["scheme"] == "passthrough"
-    assert entries["layers.0.attention.q.weight"]["reason"] == "matches --passthrough"
-    assert entries["layers.1.attention.q.weight"]["scheme"] == "int4"
-    assert entries["token_embedding.weight"]["scheme"] == "passthrough"
-    assert entries["output_norm.weight"]["scheme"] == "passthrough"
+    assert entries["layers.0.attention.q.weight"].scheme == "passthrough"
+    assert entries["layers.0.attention.q.weight"].reason == "matches --passthrough"
+    assert entries["layers.1.attention.q.weight"].scheme == "int4"
+    assert entries["token_embedding.weight"].scheme == "passthrough"
+    assert entries["output_norm.weight"].scheme == "passthrough"
     q = entries["layers.1.ffn.down.weight"]
-    assert 0 < q["error"]["rel_error"] < 0.25 and q["error"]["cosine"] > 0.95
+    assert 0 < q.error.rel_error < 0.25 and q.error.cosine > 0.95
     # Every manifest name round-trips through its key, and the files it lists exist.
     for name, e in entries.items():
-        for suffix in e["files"]:
-            assert (out / "tensors" / f"{e['key']}__{suffix}.npy").is_file()
+        for suffix in e.files:
+            assert (out / "tensors" / f"{e.key}__{suffix}.npy").is_file()

@@ -10,6 +10,7 @@ use half::{bf16, f16};
 use numpy::{Element, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 pub mod affine;
 pub mod dtype;
@@ -397,9 +398,43 @@ fn unpack_int3(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) 
     unpack_affine::<Int3>(py, packed, q)
 }
 
+/// One packing scheme as `squishlike.quant.schemes` reads it: its bits, the group sizes it takes, and how many
+/// words of which dtype hold one block of codes (a row's packed width is cols / block * block_words).
+fn scheme_constants<'py>(
+    py: Python<'py>,
+    bits: u32,
+    group_sizes: &[usize],
+    block: usize,
+    block_words: usize,
+    word: Bound<'py, numpy::PyArrayDescr>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bits", bits)?;
+    d.set_item("group_sizes", group_sizes.to_vec())?;
+    d.set_item("block", block)?;
+    d.set_item("block_words", block_words)?;
+    d.set_item("word", word)?;
+    Ok(d)
+}
+
+fn affine_constants<K: Packing>(py: Python<'_>) -> PyResult<Bound<'_, PyDict>>
+where
+    K::Word: Element,
+{
+    let bits = (K::LEVELS as u32 + 1).trailing_zeros();
+    scheme_constants(py, bits, K::GROUP_SIZES, K::BLOCK, K::words(K::BLOCK), numpy::dtype::<K::Word>(py))
+}
+
 #[pymodule]
 fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let py = m.py();
+    let schemes = PyDict::new(py);
+    // INT8 is per row: no groups, one int8 word per code.
+    schemes.set_item("int8", scheme_constants(py, 8, &[], 1, 1, numpy::dtype::<i8>(py))?)?;
+    schemes.set_item("int4", affine_constants::<Int4>(py)?)?;
+    schemes.set_item("int3", affine_constants::<Int3>(py)?)?;
+    m.add("SCHEMES", schemes)?;
     m.add_function(wrap_pyfunction!(quantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(quantize_int8g, m)?)?;

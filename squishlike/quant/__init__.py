@@ -23,8 +23,12 @@ from squishlike.quant.reference import (
     src_dtype_of,
     storage_dtype,
 )
+from squishlike.quant.schemes import SCHEMES
 
 __all__ = [
+    "quantize",
+    "dequantize",
+    "mlx_words",
     "quantize_int8",
     "dequantize_int8",
     "quantize_int8g",
@@ -105,8 +109,7 @@ def quantize_int4(
     clip_search: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Affine 4-bit per group -> (packed uint8 [r, c//2], scales [r, c//g], biases [r, c//g]) in scale_dtype."""
-    return _quantize_affine(_rq.quantize_int4, w, src_dtype, group_size, scale_dtype, clip_search,
-                            lambda cols: cols // 2, np.uint8)
+    return _quantize_affine("int4", w, src_dtype, group_size, scale_dtype, clip_search)
 
 
 def dequantize_int4(
@@ -120,8 +123,8 @@ def dequantize_int4(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Bit-identical to mx.dequantize(int4_to_mlx(packed), scales, biases, bits=4) in out_dtype."""
-    rows, half = rows_cols(packed.shape, "packed")
-    out = _out(out, (rows, half * 2), out_dtype)
+    rows, words = rows_cols(packed.shape, "packed")
+    out = _out(out, (rows, SCHEMES["int4"].unpacked_cols(words)), out_dtype)
     _rq.dequantize_int4(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
     return out
 
@@ -129,15 +132,15 @@ def dequantize_int4(
 def pack_int4(q: np.ndarray) -> np.ndarray:
     """uint8 codes 0..15 [r, c] -> uint8 [r, c//2], the low nibble holding the even column."""
     rows, cols = rows_cols(q.shape, "q")
-    packed = np.empty((rows, cols // 2), np.uint8)
+    packed = np.empty((rows, SCHEMES["int4"].packed_cols(cols)), SCHEMES["int4"].word)
     _rq.pack_int4(q, packed)
     return packed
 
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
     """uint8 [r, c//2] -> uint8 codes 0..15 [r, c]."""
-    rows, half = rows_cols(packed.shape, "packed")
-    q = np.empty((rows, half * 2), np.uint8)
+    rows, words = rows_cols(packed.shape, "packed")
+    q = np.empty((rows, SCHEMES["int4"].unpacked_cols(words)), np.uint8)
     _rq.unpack_int4(packed, q)
     return q
 
@@ -151,18 +154,17 @@ def quantize_int3(
     clip_search: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Affine 3-bit per group -> (packed uint32 [r, c*3//32] as mx.quantize(bits=3) packs, scales, biases)."""
-    return _quantize_affine(_rq.quantize_int3, w, src_dtype, group_size, scale_dtype, clip_search,
-                            lambda cols: cols * 3 // 32, np.uint32)
+    return _quantize_affine("int3", w, src_dtype, group_size, scale_dtype, clip_search)
 
 
-def _quantize_affine(kernel, w, src_dtype, group_size, scale_dtype, clip_search, packed_cols, packed_dtype):
-    """Allocate the packed codes and the per-group scales/biases, then let the Rust kernel fill them."""
+def _quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search):
+    """Allocate the packed codes and the per-group scales/biases, then let the scheme's Rust kernel fill them."""
     src = src_dtype_of(w, src_dtype)
     rows, cols = rows_cols(w.shape, "w")
     groups = (rows, cols // group_size if group_size > 0 else 0)
-    packed = np.empty((rows, packed_cols(cols)), packed_dtype)
+    packed = np.empty((rows, SCHEMES[scheme].packed_cols(cols)), SCHEMES[scheme].word)
     scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
-    kernel(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
+    getattr(_rq, f"quantize_{scheme}")(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
     return packed, scales, biases
 
 
@@ -178,7 +180,7 @@ def dequantize_int3(
 ) -> np.ndarray:
     """Bit-identical to mx.dequantize(packed, scales, biases, bits=3) in out_dtype."""
     rows, words = rows_cols(packed.shape, "packed")
-    out = _out(out, (rows, words * 32 // 3), out_dtype)
+    out = _out(out, (rows, SCHEMES["int3"].unpacked_cols(words)), out_dtype)
     _rq.dequantize_int3(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
     return out
 
@@ -186,7 +188,7 @@ def dequantize_int3(
 def pack_int3(q: np.ndarray) -> np.ndarray:
     """uint8 codes 0..7 [r, c] -> uint32 [r, c*3//32] in mx.quantize(bits=3)'s layout."""
     rows, cols = rows_cols(q.shape, "q")
-    packed = np.empty((rows, cols * 3 // 32), np.uint32)
+    packed = np.empty((rows, SCHEMES["int3"].packed_cols(cols)), SCHEMES["int3"].word)
     _rq.pack_int3(q, packed)
     return packed
 
@@ -196,3 +198,29 @@ def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
     q = np.empty((rows_cols(packed.shape, "packed")[0], cols), np.uint8)
     _rq.unpack_int3(packed, q)
     return q
+
+
+def quantize(
+    scheme: str, w: np.ndarray, *, src_dtype: str | None = None, group_size: int = 64,
+    scale_dtype: str = "bfloat16", clip_search: bool = False,
+) -> tuple[np.ndarray, ...]:
+    """`w` quantized with `scheme` ("int8", "int4", "int3"): its parts, in the order SCHEMES[scheme].parts names."""
+    if scheme == "int8":
+        return quantize_int8(w, src_dtype=src_dtype)
+    return _quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search)
+
+
+def dequantize(
+    scheme: str, *parts: np.ndarray, group_size: int | None = None, scale_dtype: str | None = None,
+    out_dtype: str = "bfloat16", out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The parts `quantize(scheme, ...)` made, dequantized to [rows, cols] in out_dtype."""
+    if scheme == "int8":
+        return dequantize_int8(*parts, out_dtype=out_dtype, out=out)
+    fn = dequantize_int4 if scheme == "int4" else dequantize_int3
+    return fn(*parts, group_size=group_size, scale_dtype=scale_dtype, out_dtype=out_dtype, out=out)
+
+
+def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
+    """INT4/INT3 packed codes as the uint32 words MLX keeps (INT3 is stored in MLX's layout already)."""
+    return int4_to_mlx(q) if scheme == "int4" else q

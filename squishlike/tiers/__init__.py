@@ -25,10 +25,10 @@ import numpy as np
 
 from ..dtypes import NP_STORAGE
 from ..errors import FormatError, TierNotReadyError
-from ..formats.npydir import NpyDir
 from ..io.atomic import remove_stale_temps
 from ..io.lock import DirectoryLock
 from ..io.sentinel import sentinel_says_damaged
+from ..npydir import NpyDir
 from . import fastmem
 from .base import Loaded, Tier, mlx_names, runtime_bytes
 from .fastmem import cpu_streams, huge_page_arena
@@ -168,9 +168,9 @@ def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]
     streams = cpu_streams()
     loads = [0] * len(streams)
     buffers: dict[str, mx.array] = {}
-    for name in sorted(store.entries, key=lambda n: -math.prod(store.entries[n]["shape"])):
+    for name in sorted(store.entries, key=lambda n: -math.prod(store.entries[n].shape)):
         i = loads.index(min(loads))  # the zero-fill that faults the pages in runs on every core
-        shape = store.entries[name]["shape"]
+        shape = store.entries[name].shape
         buffers[name] = mx.zeros(shape, dtype=_MX_STORAGE[dtype], stream=streams[i])
         loads[i] += math.prod(shape) * itemsize
     buffers = {name: buffers[name] for name in store.entries}
@@ -180,7 +180,7 @@ def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]
     if all(a.flags.writeable and a.flags.c_contiguous for a in dense.values()):
         return buffers, dense
     # An MLX that does not lend its memory out writable: dequantize into NumPy, then copy into MLX.
-    dense = {name: np.empty(store.entries[name]["shape"], NP_STORAGE[dtype]) for name in store.entries}
+    dense = {name: np.empty(store.entries[name].shape, NP_STORAGE[dtype]) for name in store.entries}
     _dequantize_all(store, dense)
     buffers = {name: mx.array(a) for name, a in dense.items()}
     return buffers, {name: np.asarray(b) for name, b in buffers.items()}

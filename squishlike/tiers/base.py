@@ -13,8 +13,8 @@ import numpy as np
 
 from ..arch import architecture_for
 from ..dtypes import NP_STORAGE
-from ..formats.npydir import NpyDir
 from ..io.sentinel import read_sentinel
+from ..npydir import NpyDir
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Tier(ABC):
 
     def wanted(self, store: NpyDir) -> bool:
         """Whether the store's cache policy asks for this tier (and the store can feed it)."""
-        return self.name in store.manifest.get("policy", {}).get("tiers", [])
+        return self.name in store.manifest.policy.tiers
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
         sentinel = store.path / self.sentinel
@@ -61,10 +61,10 @@ class Tier(ABC):
 def runtime_bytes(store: NpyDir) -> int:
     """The bytes of every tensor of the store in the runtime dtype: what the dense tiers hold in memory."""
     itemsize = np.dtype(NP_STORAGE[store.runtime_dtype]).itemsize
-    return sum(math.prod(e["shape"]) * itemsize for e in store.entries.values())
+    return sum(math.prod(e.shape) * itemsize for e in store.entries.values())
 
 
 def mlx_names(store: NpyDir) -> dict[str, str]:
     """canonical name -> mlx_lm parameter name, for every tensor of the store."""
-    arch = architecture_for(store.manifest["model_type"])
+    arch = architecture_for(store.manifest.model_type)
     return {name: arch.mlx_name(name) for name in store.entries}

@@ -16,10 +16,10 @@ import numpy as np
 
 from ..dtypes import MX_DTYPES, NP_STORAGE
 from ..errors import FormatError
-from ..formats.npydir import NpyDir
 from ..io.atomic import make_temp_dir, publish_dir
 from ..io.npy import write_npy_stream
 from ..io.sentinel import write_sentinel
+from ..npydir import NpyDir, TensorEntry
 from .base import Loaded, Tier, mlx_names
 from .fastmem import load_each, prefetch
 
@@ -36,22 +36,22 @@ class FinalizedTier(Tier):
         dtype = store.runtime_dtype
         itemsize = np.dtype(NP_STORAGE[dtype]).itemsize
 
-        def opener(entry: dict):
-            path = store.path / DIRECTORY / f"{entry['key']}.npy"
+        def opener(entry: TensorEntry):
+            path = store.path / _file(entry)
 
             def open_on(stream: mx.Stream) -> mx.array:
                 try:
                     array = mx.load(str(path), format="npy", stream=stream)
                 except (RuntimeError, ValueError, OSError) as e:
                     raise FormatError(path, f"unreadable .npy ({e})") from None
-                if array.dtype != _MX_STORAGE[dtype] or list(array.shape) != entry["shape"]:
+                if array.dtype != _MX_STORAGE[dtype] or tuple(array.shape) != entry.shape:
                     raise FormatError(
-                        path, f"holds {array.dtype}{list(array.shape)}, expected {dtype}{entry['shape']}")
+                        path, f"holds {array.dtype}{list(array.shape)}, expected {dtype}{list(entry.shape)}")
                 return mx.view(array, MX_DTYPES[dtype], stream=stream) if dtype == "bfloat16" else array
 
-            return math.prod(entry["shape"]) * itemsize, open_on
+            return math.prod(entry.shape) * itemsize, open_on
 
-        paths = [store.path / DIRECTORY / f"{e['key']}.npy" for e in store.entries.values()]
+        paths = [store.path / _file(e) for e in store.entries.values()]
         from_disk = not lazy and prefetch(paths) is not None
         loaded = load_each({names[n]: opener(e) for n, e in store.entries.items()}, lazy=lazy, from_disk=from_disk)
         return Loaded(loaded, store.config(), self.name)
@@ -61,12 +61,15 @@ class FinalizedTier(Tier):
         final = store.path / DIRECTORY
         tmp = make_temp_dir(final)
         try:
-            files = {
-                f"{store.entries[n]['key']}.npy": write_npy_stream(tmp / f"{store.entries[n]['key']}.npy", a, atomic=False)
-                for n, a in dense.items()
-            }
+            names = {n: f"{store.entries[n].key}.npy" for n in dense}
+            files = {names[n]: write_npy_stream(tmp / names[n], a, atomic=False) for n, a in dense.items()}
             write_sentinel(tmp / ".ready", manifest_fingerprint=store.fingerprint, files=files, tier=self.name)
             publish_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def _file(entry: TensorEntry) -> str:
+    """A tensor's file, relative to the npy-dir: the runtime-dtype array, named by the tensor's key."""
+    return f"{DIRECTORY}/{entry.key}.npy"

@@ -12,9 +12,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..formats.npydir import NpyDir
 from ..formats.safetensors import Tensor, file_order, write_safetensors
 from ..io.sentinel import write_sentinel
+from ..npydir import NpyDir
 from .base import Loaded, Tier, mlx_names
 from .fastmem import load_parallel, prefetch
 
@@ -33,7 +33,7 @@ class MlxTier(Tier):
         self.invalidate(store)
         names = mlx_names(store)
         dtype = store.runtime_dtype
-        tensors = [Tensor(names[n], dtype, tuple(store.entries[n]["shape"]), dense[n]) for n in store.entries]
+        tensors = [Tensor(names[n], dtype, store.entries[n].shape, dense[n]) for n in store.entries]
         record = write_safetensors(store.path / WEIGHTS, tensors, METADATA)
         write_sentinel(
             store.path / self.sentinel, manifest_fingerprint=store.fingerprint, files={WEIGHTS: record}, tier=self.name

@@ -16,11 +16,11 @@ import shutil
 
 import numpy as np
 
-from ..formats.npydir import SCHEMES, NpyDir, load_config
 from ..formats.safetensors import write_safetensors
 from ..io.atomic import copy_file, make_temp_dir, publish_dir, write_json
 from ..io.sentinel import write_sentinel
-from ..quant import int4_to_mlx
+from ..npydir import NpyDir, load_config
+from ..quant import mlx_words
 from .base import Loaded, Tier, mlx_names
 from .mlx import METADATA, load_safetensors
 
@@ -33,7 +33,7 @@ class QuantizedTier(Tier):
     directory: str
 
     def wanted(self, store: NpyDir) -> bool:
-        return super().wanted(store) and self.scheme in store.schemes()
+        return super().wanted(store) and self.scheme in store.manifest.schemes
 
     def nbytes(self, store: NpyDir) -> int:
         with contextlib.suppress(OSError):
@@ -50,21 +50,21 @@ class QuantizedTier(Tier):
         tensors = []
         group_sizes = set()
         for name, entry in store.entries.items():
-            if entry["scheme"] == self.scheme:
+            if entry.scheme == self.scheme:
                 # Each part is memory-mapped only while it is written (a callable, opened by write_safetensors):
                 # zero-copy views of the store's bytes, never all mapped (and counted in RSS) at once.
-                q_part, s_part, z_part = (p.suffix for p in SCHEMES[self.scheme])
-                lead, cols = list(entry["shape"][:-1]), entry["shape"][-1]
-                words = cols // 8 if self.scheme == "int4" else cols * 3 // 32
-                groups = cols // entry["group_size"]
+                q_part, s_part, z_part = entry.kind.suffixes
+                lead, cols = list(entry.shape[:-1]), entry.shape[-1]
+                words = entry.kind.uint32_cols(cols)
+                groups = cols // entry.group_size
                 prefix = names[name].removesuffix(".weight")
-                sd = entry["scale_dtype"]
+                sd = entry.scale_dtype
                 tensors.append((f"{prefix}.weight", "uint32", [*lead, words], self._words(store, name, q_part)))
                 tensors.append((f"{prefix}.scales", sd, [*lead, groups], _part(store, name, s_part)))
                 tensors.append((f"{prefix}.biases", sd, [*lead, groups], _part(store, name, z_part)))
-                group_sizes.add(entry["group_size"])
+                group_sizes.add(entry.group_size)
             else:
-                tensors.append((names[name], store.runtime_dtype, entry["shape"], dense[name]))
+                tensors.append((names[name], store.runtime_dtype, entry.shape, dense[name]))
 
         config = store.config()
         # mlx_lm infers each layer's own group size from its scales' shape; the top level names the common one.
@@ -76,7 +76,7 @@ class QuantizedTier(Tier):
         try:
             files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors, METADATA)}
             files[f"{self.directory}/config.json"] = write_json(tmp / "config.json", config)
-            for rel in store.manifest.get("side_files", {}):
+            for rel in store.manifest.side_files:
                 if rel != "config.json":
                     files[f"{self.directory}/{rel}"] = copy_file(store.path / rel, tmp / rel)
             publish_dir(tmp, final)
@@ -95,9 +95,7 @@ class QuantizedTier(Tier):
         return {}
 
     def _words(self, store: NpyDir, name: str, suffix: str):
-        if self.scheme == "int4":
-            return lambda: int4_to_mlx(store.load_part(name, suffix))  # uint8 nibbles read as MLX's uint32 words
-        return _part(store, name, suffix)
+        return lambda: mlx_words(self.scheme, store.load_part(name, suffix))
 
 
 def _part(store: NpyDir, name: str, suffix: str):
@@ -122,7 +120,7 @@ class Int3Tier(QuantizedTier):
     sentinel = ".squish_3bit_ready"
 
     def wanted(self, store: NpyDir) -> bool:
-        return super().wanted(store) and store.manifest.get("int3_gate", {}).get("passed", False)
+        return super().wanted(store) and store.manifest.int3_passed
 
     def sentinel_extra(self, store: NpyDir) -> dict:
-        return {"int3_gate": store.manifest["int3_gate"]}
+        return {"int3_gate": store.manifest.int3_gate}

@@ -1,0 +1,315 @@
+"""The npy-dir manifest (`manifest.json`) as typed objects, with strict validation.
+
+`Manifest.from_json` accepts exactly what `to_json` writes (format_version 1) and refuses anything else with a
+FormatError naming the manifest file, before a reader allocates or opens anything the manifest names. A hostile
+manifest therefore cannot name a file outside the directory (keys are checked to decode to their tensor name),
+ask for a part no file could hold, or mix a scheme with another scheme's parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote
+
+import numpy as np
+
+from ..dtypes import NP_STORAGE
+from ..errors import FormatError
+from ..quant.schemes import SCHEMES, Scheme, rows_cols
+
+FORMAT = "squishlike-npy-dir"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = "tensors"
+
+_KEY = re.compile(r"[A-Za-z0-9_.%-]+")
+
+
+def encode_key(name: str) -> str:
+    """Percent-encode everything but [A-Za-z0-9_.-]; a leading dot too, so no key is hidden or '..'."""
+    key = quote(name, safe="")
+    return "%2E" + key[1:] if key.startswith(".") else key
+
+
+def decode_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.fullmatch(key) or key.startswith("."):
+        raise ValueError(f"not a valid tensor key: {key!r}")
+    return unquote(key)
+
+
+def part_file(key: str, suffix: str) -> str:
+    """Where a tensor's part lives, relative to the npy-dir."""
+    return f"{TENSORS}/{key}__{suffix}.npy"
+
+
+# -- field checks: each returns the value or raises TypeError/ValueError saying what is wrong
+
+_KINDS = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object"}
+
+
+def _typed(v: Any, kind: type, what: str) -> Any:
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise TypeError(f"{what} {v!r} is not {_KINDS[kind]}")
+    return v
+
+
+def _size(v: Any, what: str) -> int:
+    if _typed(v, int, what) < 0:
+        raise ValueError(f"{what} {v!r} is negative")
+    return v
+
+
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} {v!r} is not a number")
+    return v
+
+
+_FIELD_CHECKS = {"int": _size, "float": _number, "str": lambda v, what: _typed(v, str, what)}
+
+
+def _dtype(v: Any, what: str) -> str:
+    if v not in NP_STORAGE:
+        raise ValueError(f"unknown {what} {v!r}")
+    return v
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+_R = TypeVar("_R", bound="_Flat")
+
+
+class _Flat:
+    """A record whose JSON object is its fields, as they are: each checked by its annotated type."""
+
+    @classmethod
+    def from_json(cls: type[_R], raw: Any) -> _R:
+        raw = _typed(raw, dict, cls.__name__)
+        return cls(*(_FIELD_CHECKS[f.type](raw[f.name], f.name) for f in dataclasses.fields(cls)))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FileRecord(_Flat):
+    """A file's size and SHA-256, as manifests and sentinels record it."""
+
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ErrorStats(_Flat):
+    """The quantization error measured at compress time on evenly sampled rows."""
+
+    rel_error: float
+    cosine: float
+    sampled_rows: int
+
+
+@dataclass
+class TensorEntry:
+    """One tensor of the store: how it is stored, and the files that hold it."""
+
+    key: str  # the filesystem-safe encoding of the tensor's canonical name (encode_key)
+    source_name: str  # the tensor's name in the source model
+    shape: tuple[int, ...]
+    dtype: str  # the source's dtype name (a GGUF/MLX quantization type for quantized sources)
+    scheme: str
+    reason: str  # why this scheme was chosen
+    files: dict[str, FileRecord] = field(default_factory=dict)  # part suffix -> record
+    group_size: int | None = None  # INT4/INT3 only
+    scale_dtype: str | None = None  # INT4/INT3 only
+    stored_dtype: str | None = None  # passthrough only
+    error: ErrorStats | None = None  # quantized schemes only
+
+    @property
+    def kind(self) -> Scheme:
+        return SCHEMES[self.scheme]
+
+    def part_file(self, suffix: str) -> str:
+        return part_file(self.key, suffix)
+
+    def part_spec(self, suffix: str) -> tuple[np.dtype, tuple[int, ...]]:
+        """(dtype, shape) of one part: what its file must hold."""
+        part = next(p for p in self.kind.parts if p.suffix == suffix)
+        return self.kind.part_spec(part.role, self.shape, group_size=self.group_size or 0,
+                                   scale_dtype=self.scale_dtype, stored_dtype=self.stored_dtype)
+
+    @classmethod
+    def from_json(cls, name: str, raw: Any) -> TensorEntry:
+        raw = _typed(raw, dict, "entry")
+        shape = raw["shape"]
+        if not isinstance(shape, list):
+            raise TypeError(f"shape {shape!r} is not a list")
+        for d in shape:
+            _size(d, "shape dimension")
+        scheme = raw["scheme"]
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r}")
+        kind = SCHEMES[scheme]
+        entry = cls(
+            key=_typed(raw["key"], str, "key"),
+            source_name=_typed(raw["source_name"], str, "source_name"),
+            shape=tuple(shape),
+            dtype=_typed(raw["dtype"], str, "dtype"),
+            scheme=scheme,
+            reason=_typed(raw["reason"], str, "reason"),
+            files={suffix: FileRecord.from_json(r) for suffix, r in _typed(raw["files"], dict, "files").items()},
+            group_size=_size(raw["group_size"], "group_size") if kind.grouped else None,
+            scale_dtype=_dtype(raw["scale_dtype"], "scale_dtype") if kind.grouped else None,
+            stored_dtype=_dtype(raw["stored_dtype"], "stored_dtype") if not kind.quantized else None,
+            error=ErrorStats.from_json(raw["error"]) if "error" in raw else None,
+        )
+        entry._validate(name)
+        return entry
+
+    def _validate(self, name: str) -> None:
+        if decode_key(self.key) != name:
+            raise ValueError(f"key {self.key!r} does not decode to its name")
+        if self.kind.grouped:
+            _, cols = rows_cols(self.shape)
+            if self.group_size <= 0 or cols % self.group_size:
+                raise ValueError(f"group_size {self.group_size} does not divide {cols} columns")
+        if set(self.files) != set(self.kind.suffixes):
+            raise ValueError("file list does not match its scheme")
+        for suffix, record in self.files.items():  # a shape no file could hold is refused before any allocation
+            dtype, part_shape = self.part_spec(suffix)
+            if record.size < math.prod(part_shape) * dtype.itemsize:
+                raise ValueError(f"part {suffix}: {record.size} bytes cannot hold {dtype}{part_shape}")
+
+    def to_json(self) -> dict:
+        return _drop_none({
+            "key": self.key,
+            "source_name": self.source_name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "scheme": self.scheme,
+            "reason": self.reason,
+            "files": {suffix: r.to_json() for suffix, r in self.files.items()},
+            "group_size": self.group_size,
+            "scale_dtype": self.scale_dtype,
+            "stored_dtype": self.stored_dtype,
+            "error": self.error.to_json() if self.error else None,
+        })
+
+
+@dataclass(frozen=True)
+class Source(_Flat):
+    """The model a store was compressed from: where it was, its format, and a fingerprint of its files."""
+
+    path: str
+    format: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The cache policy: the tiers a load should build and prefer."""
+
+    tiers: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Policy:
+        tiers = _typed(raw, dict, "policy")["tiers"]
+        if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
+            raise TypeError(f"policy tiers {tiers!r} is not a list of tier names")
+        return cls(tuple(tiers))
+
+    def to_json(self) -> dict:
+        return {"tiers": list(self.tiers)}
+
+
+@dataclass
+class Manifest:
+    model_type: str
+    runtime_dtype: str
+    scheme: str  # the --format the store was made with
+    group_size: int
+    clip_search: bool
+    source: Source
+    policy: Policy
+    tensors: dict[str, TensorEntry]  # canonical tensor name -> entry
+    side_files: dict[str, FileRecord] = field(default_factory=dict)  # config and tokenizer files, by file name
+    int3_gate: dict[str, Any] | None = None  # the INT3 accuracy gate's verdict ("passed", figures, reason)
+    extra: dict[str, Any] = field(default_factory=dict)  # calibration records (awq, mixed_precision, ...), as written
+
+    _FIELDS = ("format", "format_version", "model_type", "runtime_dtype", "scheme", "group_size", "clip_search",
+               "source", "policy", "tensors", "side_files", "int3_gate")
+
+    @classmethod
+    def from_json(cls, raw: Any, path: Path) -> Manifest:
+        """The manifest in `raw` (parsed JSON); FormatError naming `path` when it is not a valid one."""
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise FormatError(path, f"not a {FORMAT} manifest")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise FormatError(path, f"unsupported format_version {raw.get('format_version')!r}")
+        if raw.get("runtime_dtype") not in NP_STORAGE:
+            raise FormatError(path, f"unknown runtime_dtype {raw.get('runtime_dtype')!r}")
+        if not isinstance(raw.get("tensors"), dict):
+            raise FormatError(path, "has no tensor table")
+        side = raw.get("side_files", {})
+        if not isinstance(side, dict):
+            raise FormatError(path, "side_files is not a table of file names")
+        for rel in side:
+            if Path(rel).name != rel or rel in (".", ".."):
+                raise FormatError(path, f"side file {rel!r} is not a plain file name")
+        try:
+            manifest = cls(
+                model_type=_typed(raw["model_type"], str, "model_type"),
+                runtime_dtype=raw["runtime_dtype"],
+                scheme=_typed(raw["scheme"], str, "scheme"),
+                group_size=_size(raw["group_size"], "group_size"),
+                clip_search=_typed(raw["clip_search"], bool, "clip_search"),
+                source=Source.from_json(raw["source"]),
+                policy=Policy.from_json(raw["policy"]),
+                tensors={},
+                side_files={rel: FileRecord.from_json(r) for rel, r in side.items()},
+                int3_gate=_typed(raw["int3_gate"], dict, "int3_gate") if "int3_gate" in raw else None,
+                extra={k: v for k, v in raw.items() if k not in cls._FIELDS},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(path, f"bad manifest field ({type(e).__name__}: {e})") from None
+        for name, entry in raw["tensors"].items():
+            try:
+                manifest.tensors[name] = TensorEntry.from_json(name, entry)
+            except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
+                raise FormatError(path, f"tensor {name!r}: bad entry ({e})") from None
+        return manifest
+
+    def to_json(self) -> dict:
+        return _drop_none({
+            **self.extra,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model_type": self.model_type,
+            "runtime_dtype": self.runtime_dtype,
+            "scheme": self.scheme,
+            "group_size": self.group_size,
+            "clip_search": self.clip_search,
+            "source": self.source.to_json(),
+            "policy": self.policy.to_json(),
+            "side_files": {rel: r.to_json() for rel, r in self.side_files.items()},
+            "tensors": {name: e.to_json() for name, e in self.tensors.items()},
+            "int3_gate": self.int3_gate,
+        })
+
+    @property
+    def schemes(self) -> set[str]:
+        return {e.scheme for e in self.tensors.values()}
+
+    @property
+    def int3_passed(self) -> bool:
+        return bool(self.int3_gate and self.int3_gate.get("passed", False))
+
+    def part_files(self) -> dict[str, FileRecord]:
+        """Every part file of the store, relative to the npy-dir, with its record."""
+        return {e.part_file(suffix): r for e in self.tensors.values() for suffix, r in e.files.items()}

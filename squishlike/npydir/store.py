@@ -1,0 +1,271 @@
+"""An opened npy-dir: its validated manifest, and typed, checked access to the stored parts.
+
+Every part is checked against the dtype and shape its role demands (`TensorEntry.part_spec`) before it is used,
+and every path is checked to stay inside the directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .. import quant
+from ..dtypes import MX_DTYPES, to_mx, to_numpy
+from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
+from ..formats.base import QuantizedTensor
+from ..quant.schemes import rows_cols
+from ..io.atomic import read_json
+from .manifest import FORMAT, MANIFEST, TENSORS, FileRecord, Manifest, Source, TensorEntry
+
+_READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
+# NumPy parses a .npy header with ast.literal_eval, and CPython 3.11 (before 3.11.8) keeps the AST constructor's
+# recursion depth in interpreter-wide state: two threads parsing at once fail at random with "SystemError: AST
+# constructor recursion depth mismatch" (python/cpython#106905). The cold path opens parts from a thread pool,
+# so header parsing takes turns; it is microseconds, the reads and dequantization stay parallel.
+_HEADER_LOCK = threading.Lock()
+
+
+def load_config(directory: Path) -> dict:
+    """mlx_lm.utils.load_config, without importing mlx_lm.utils (which imports transformers, ~1 s) unless the
+    config holds one of the tagged floats ({"__float__": "NaN"}) only mlx_lm decodes: then mlx_lm reads it."""
+    directory = Path(directory)
+    with open(directory / "config.json") as f:
+        config = json.load(f)
+    if _has_tagged_float(config):
+        from mlx_lm.utils import load_config as mlx_lm_load_config
+
+        return mlx_lm_load_config(directory)
+    generation_file = directory / "generation_config.json"
+    if generation_file.exists():
+        generation = {}
+        try:
+            with open(generation_file) as f:
+                generation = json.load(f)
+        except json.JSONDecodeError:
+            pass
+        if eos := generation.get("eos_token_id", False):
+            config["eos_token_id"] = eos
+    return config
+
+
+def _has_tagged_float(obj) -> bool:
+    if isinstance(obj, dict):
+        return "__float__" in obj or any(_has_tagged_float(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_tagged_float(v) for v in obj)
+    return False
+
+
+def is_npydir(path: str | Path) -> bool:
+    """Whether `path` holds an npy-dir manifest (checked cheaply: its format field only)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        return read_json(manifest).get("format") == FORMAT
+    except (FormatError, AttributeError):
+        return False
+
+
+def read_source(path: str | Path) -> Source | None:
+    """The model the npy-dir at `path` was compressed from, or None when `path` has no manifest.
+
+    Reads only the manifest's source record, so it also serves a store that fails full validation."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    raw = read_json(manifest_path)
+    try:
+        return Source.from_json(raw["source"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(manifest_path, f"bad source record ({type(e).__name__}: {e})") from None
+
+
+class NpyDir:
+    """An opened npy-dir. `manifest` is validated; `fingerprint` identifies its exact bytes (for sentinels)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        raw = manifest_path.read_bytes() if manifest_path.is_file() else None
+        if raw is None:
+            raise FormatError(manifest_path, "missing: not a squishlike npy-dir")
+        self.fingerprint = hashlib.sha256(raw).hexdigest()
+        self.manifest = Manifest.from_json(read_json(manifest_path), manifest_path)
+        self._validate_side_files(manifest_path)
+        self._validate_architecture(manifest_path)
+
+    is_npydir = staticmethod(is_npydir)
+
+    def _validate_side_files(self, manifest_path: Path) -> None:
+        """Side files are plain files inside the directory, never links that lead out of it."""
+        root = self.path.resolve()
+        for rel in [*self.manifest.side_files, "config.json"]:
+            p = self.path / rel
+            try:
+                if p.is_symlink() and root not in p.resolve().parents:
+                    raise FormatError(p, f"is a symbolic link out of {self.path}")
+                if p.exists() and not p.is_file():  # a FIFO or a device would block or never end when read
+                    raise FormatError(p, "is not a regular file")
+            except (OSError, RuntimeError) as e:  # a name too long for the filesystem, a symlink loop
+                raise FormatError(manifest_path, f"side file {rel!r}: unusable ({e})") from None
+
+    def _validate_architecture(self, manifest_path: Path) -> None:
+        from ..arch import architecture_for  # noqa: PLC0415 - the arch tables import lazily
+
+        model_type = self.manifest.model_type
+        try:
+            arch = architecture_for(model_type)
+        except UnsupportedArchitectureError as e:
+            raise UnsupportedArchitectureError(f"{manifest_path}: {e}") from None
+        for name in self.manifest.tensors:
+            try:
+                arch.mlx_name(name)
+            except KeyError:
+                raise FormatError(manifest_path, f"tensor {name!r} is not a tensor of {model_type}") from None
+
+    # -- manifest views
+
+    @property
+    def runtime_dtype(self) -> str:
+        return self.manifest.runtime_dtype
+
+    @property
+    def entries(self) -> dict[str, TensorEntry]:
+        return self.manifest.tensors
+
+    def config(self) -> dict:
+        """config.json with generation_config's eos merged in, exactly as mlx_lm.utils.load_config reads it."""
+        return load_config(self.path)
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise MissingTensorError(self.path / MANIFEST, name) from None
+
+    # -- parts
+
+    def part_path(self, name: str, suffix: str) -> Path:
+        path = self.path / self.entry(name).part_file(suffix)
+        try:
+            if path.is_symlink() or path.parent.is_symlink():  # squishlike writes none: a link can only lead out
+                raise FormatError(path, f"is a symbolic link; a stored part must be a file inside {self.path}")
+            if path.exists() and not path.is_file():  # a FIFO or a device would block or never end when read
+                raise FormatError(path, "is not a regular file")
+        except OSError as e:  # a key too long for the filesystem
+            raise FormatError(path, f"unusable file name ({e.strerror})") from None
+        return path
+
+    def check_part_sizes(self) -> None:
+        """Every stored part is a regular file big enough for the data its manifest entry claims: call before
+        allocating anything from the manifest's shapes, so a hostile manifest cannot ask for terabytes."""
+        for name, entry in self.entries.items():
+            for suffix in entry.kind.suffixes:
+                path = self.part_path(name, suffix)
+                dtype, shape = entry.part_spec(suffix)
+                try:
+                    size = path.stat().st_size if path.is_file() else -1
+                except OSError:
+                    size = -1
+                if size < 0:
+                    raise FormatError(path, "missing (or not a regular file)")
+                if size < math.prod(shape) * dtype.itemsize:
+                    raise FormatError(path, f"is {size} bytes, too small for {dtype}{list(shape)}")
+
+    def part_files(self) -> dict[str, FileRecord]:
+        """Every store file, relative to the npy-dir, with its recorded size and checksum."""
+        return self.manifest.part_files()
+
+    def load_part(self, name: str, suffix: str) -> np.ndarray:
+        """One stored part, memory-mapped, checked against the dtype and shape its role demands."""
+        dtype, shape = self.entry(name).part_spec(suffix)
+        path = self.part_path(name, suffix)
+        try:
+            with _HEADER_LOCK:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
+            raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
+        if array.dtype != dtype or array.shape != shape:
+            raise FormatError(path, f"holds {array.dtype}{list(array.shape)}, its role needs {dtype}{list(shape)}")
+        if not array.flags.c_contiguous:
+            raise FormatError(path, "is stored in Fortran (column-major) order; squishlike writes C order")
+        return array
+
+    def read_part_into(self, name: str, suffix: str, out: np.ndarray) -> None:
+        """Read one stored part into `out` (C-contiguous, of the part's dtype and size) with pread, checked as
+        load_part checks it. For big passthrough tensors: the bytes land once, in the buffer that keeps them."""
+        dtype, shape = self.entry(name).part_spec(suffix)
+        path = self.part_path(name, suffix)
+        if out.dtype != dtype or out.size != math.prod(shape) or not out.flags.c_contiguous:
+            raise ValueError(f"out is {out.dtype}{list(out.shape)}; {name}:{suffix} needs {dtype}{list(shape)}")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                version = np.lib.format.read_magic(f)
+                readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+                if version not in readers:
+                    raise ValueError(f"npy format version {version} not supported")
+                with _HEADER_LOCK:
+                    got_shape, fortran, got_dtype = readers[version](f)
+                if got_dtype != dtype or tuple(got_shape) != shape or (fortran and len(shape) > 1):
+                    raise FormatError(path, f"holds {got_dtype}{list(got_shape)}, its role needs {dtype}{list(shape)}")
+                offset, view, done = f.tell(), memoryview(out.reshape(-1).view(np.uint8)), 0
+                while done < len(view):
+                    n = os.preadv(f.fileno(), [view[done:done + _READ_CHUNK]], offset + done)
+                    if n == 0:
+                        raise FormatError(path, f"ends after {done} of {len(view)} data bytes")
+                    done += n
+        except FormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
+            raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
+
+    def dequantize(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor in the runtime dtype (bf16 as raw uint16), computed by the Rust kernels."""
+        entry = self.entry(name)
+        dtype = self.runtime_dtype
+        if not entry.kind.quantized:
+            (suffix,) = entry.kind.suffixes
+            if out is not None and entry.stored_dtype == dtype and out.flags.c_contiguous:
+                # Straight from the file into the caller's buffer: no memory map, no intermediate copy.
+                self.read_part_into(name, suffix, out)
+                return out
+            stored = self.load_part(name, suffix)
+            if entry.stored_dtype == dtype:
+                result = stored
+            else:  # exact values at rest, the runtime dtype in memory (like mlx_lm's model.set_dtype)
+                result, _ = to_numpy(to_mx(np.ascontiguousarray(stored), entry.stored_dtype).astype(MX_DTYPES[dtype]))
+            if out is None:
+                return np.array(result)
+            np.copyto(out.reshape(result.shape), result)
+            return out
+        if out is not None:
+            out = out.reshape(rows_cols(entry.shape))
+        parts = [self.load_part(name, suffix) for suffix in entry.kind.suffixes]
+        result = quant.dequantize(entry.scheme, *parts, group_size=entry.group_size, scale_dtype=entry.scale_dtype,
+                                  out_dtype=dtype, out=out)
+        return result.reshape(entry.shape)
+
+    def quantized(self, name: str) -> QuantizedTensor | None:
+        """The MLX triple of an INT4/INT3 tensor: a lossless repack of the store."""
+        entry = self.entry(name)
+        if not entry.kind.grouped:
+            return None
+        q, s, z = (self.load_part(name, suffix) for suffix in entry.kind.suffixes)
+        words = quant.mlx_words(entry.scheme, q)
+        lead = entry.shape[:-1]
+        return QuantizedTensor(
+            weight=mx.array(np.ascontiguousarray(words)).reshape(*lead, -1),
+            scales=to_mx(np.ascontiguousarray(s), entry.scale_dtype).reshape(*lead, -1),
+            biases=to_mx(np.ascontiguousarray(z), entry.scale_dtype).reshape(*lead, -1),
+            group_size=entry.group_size,
+            bits=entry.kind.bits,
+        )
+
