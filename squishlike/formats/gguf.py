@@ -12,6 +12,8 @@ llama.cpp's converter wrote them (Llama Q/K permuted, Gemma norms +1); the provi
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,9 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers, processors
 
+from ..arch import architecture_for_gguf
 from ..config import ModelConfig
-from ..errors import FormatError, MissingTensorError
+from ..errors import FormatError, MissingTensorError, SquishError
 from .base import FormatReader, TensorInfo
 
 MAGIC = b"GGUF"
@@ -29,6 +32,22 @@ FLOAT_TYPES = {
     gguf.GGMLQuantizationType.F32: "float32",
     gguf.GGMLQuantizationType.F16: "float16",
     gguf.GGMLQuantizationType.BF16: "bfloat16",
+}
+
+# GGUF metadata key (after `{arch}.`) for each required config field; vocab_size falls back to the tokenizer's size.
+REQUIRED_CONFIG = {
+    "hidden_size": "embedding_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "intermediate_size": "feed_forward_length",
+}
+
+# A GGUF's float type, when the whole file has one; a quantized file dequantizes to a runtime we pick: bfloat16
+# has float32's range, so no family overflows in it.
+FILE_DTYPES = {
+    gguf.LlamaFileType.ALL_F32: "float32",
+    gguf.LlamaFileType.MOSTLY_F16: "float16",
+    gguf.LlamaFileType.MOSTLY_BF16: "bfloat16",
 }
 
 # tokenizer_config.json key -> the GGUF key (after `tokenizer.ggml.`) holding its id
@@ -113,7 +132,7 @@ class GGUFReader(FormatReader):
         return int(self._gguf.fields["GGUF.version"].contents())
 
     def config(self) -> dict:
-        return ModelConfig.from_gguf(self.metadata, self._tensors, self.path).to_dict()
+        return config_from_metadata(self.metadata, self._tensors, self.path).to_dict()
 
     def tensors(self) -> dict[str, TensorInfo]:
         return {
@@ -224,3 +243,59 @@ def _value(field: gguf.ReaderField) -> Any:
         return float(str(np.float32(value)))
     return value
 
+
+def config_from_metadata(
+    metadata: Mapping[str, Any], tensor_names: Collection[str], path: str | PathLike = "model.gguf"
+) -> ModelConfig:
+    """The model config GGUF metadata (key -> value) describes; tied when `output.weight` is not in `tensor_names`.
+
+    Keys are read as `{arch}.{key}` first, then as `{key}`. FormatError (naming `path`) lists missing keys.
+    """
+    try:
+        return _config_from_metadata(metadata, tensor_names, path)
+    except SquishError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError, OverflowError) as e:
+        # hostile metadata: a count of zero, a string where a number belongs, ...
+        raise FormatError(path, f"GGUF metadata does not describe a model: {type(e).__name__}: {e}") from None
+
+
+def _config_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str], path) -> ModelConfig:
+    gguf_arch = metadata.get("general.architecture")
+    if gguf_arch is None:
+        raise FormatError(path, "GGUF metadata has no general.architecture")
+    if not isinstance(gguf_arch, str):
+        raise FormatError(path, f"GGUF general.architecture is {gguf_arch!r}, not a name")
+    family = architecture_for_gguf(gguf_arch)
+
+    def get(key: str) -> Any:
+        return metadata.get(f"{gguf_arch}.{key}", metadata.get(key))
+
+    missing = [f"{gguf_arch}.{key}" for key in REQUIRED_CONFIG.values() if get(key) is None]
+    vocab_size = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    if not vocab_size:
+        missing.append(f"{gguf_arch}.vocab_size (or tokenizer.ggml.tokens)")
+    if missing:
+        raise FormatError(path, f"GGUF metadata is missing required keys: {', '.join(missing)}")
+
+    config = {name: get(key) for name, key in REQUIRED_CONFIG.items()}
+    config.update(
+        model_type=family.model_type,
+        vocab_size=vocab_size,
+        num_key_value_heads=get("attention.head_count_kv"),
+        head_dim=get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"],
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        layer_norm_eps=get("attention.layer_norm_epsilon"),
+        rope_theta=get("rope.freq_base"),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        torch_dtype=FILE_DTYPES.get(metadata.get("general.file_type"), "bfloat16"),
+    )
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+        if original := get("rope.scaling.original_context_length"):
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    if family.gguf_config is not None:
+        config.update(family.gguf_config(get, config))
+    return ModelConfig.from_dict({k: v for k, v in config.items() if v is not None}, path)
