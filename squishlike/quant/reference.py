@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from squishlike.dtypes import NP_STORAGE
 from squishlike.errors import QuantizationError
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -34,9 +35,6 @@ _AFFINE = {"int4": (INT4_LEVELS, INT4_GROUP_SIZES), "int3": (INT3_LEVELS, INT3_G
 # `(k as f64 / 100.0) as f32`, the same correctly rounded number).
 CLIP_SHRINK = tuple(np.float32(k / 100) for k in range(11))
 
-_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # dtypes
 
@@ -44,7 +42,7 @@ _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "b
 def storage_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype that carries values of `dtype` (uint16 raw bits for bfloat16)."""
     try:
-        return _STORAGE[dtype]
+        return NP_STORAGE[dtype]
     except (KeyError, TypeError):
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}") from None
 
