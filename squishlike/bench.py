@@ -510,8 +510,8 @@ def prepare_store(source: Path, out: Path, fmt: str, with_finalized: bool) -> Pa
     if with_finalized and tier_status(NpyDir(out))["finalized"] != "ready":
         _run_script(
             "from squishlike.formats.npydir import NpyDir\n"
-            "from squishlike.tiers import BY_NAME, _cold\n"
-            f"store = NpyDir({str(out)!r}); BY_NAME['finalized'].build(store, _cold(store)[1])")
+            "from squishlike.tiers import BY_NAME, COLD\n"
+            f"store = NpyDir({str(out)!r}); BY_NAME['finalized'].build(store, COLD.load_dense(store)[1])")
     return out
 
 
