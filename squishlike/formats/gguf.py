@@ -12,6 +12,8 @@ llama.cpp's converter wrote them (Llama Q/K permuted, Gemma norms +1); the provi
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from collections.abc import Collection, Mapping
 from os import PathLike
 from pathlib import Path
@@ -68,28 +70,74 @@ PRE_TOKENIZERS = {
 }
 
 
-_ARRAY = int(gguf.GGUFValueType.ARRAY)  # a plain int: numpy's uint32 against an IntEnum compares ~50x slower
+_SCALAR_SIZES = {
+    gguf.GGUFValueType.UINT8: 1, gguf.GGUFValueType.INT8: 1, gguf.GGUFValueType.BOOL: 1,
+    gguf.GGUFValueType.UINT16: 2, gguf.GGUFValueType.INT16: 2,
+    gguf.GGUFValueType.UINT32: 4, gguf.GGUFValueType.INT32: 4, gguf.GGUFValueType.FLOAT32: 4,
+    gguf.GGUFValueType.UINT64: 8, gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8,
+}
 
 
-class _BoundedGGUFReader(gguf.GGUFReader):
-    """gguf-py's reader, refusing to read past the end of the file.
+class _Extents:
+    """Walks a little-endian GGUF's header, metadata and tensor records, checking every length against the file.
 
     gguf-py slices its memory map, and a slice past the end is silently short: a truncated file or a tensor offset
-    beyond the end would give short arrays, and an absurd array length would loop for billions of items.
+    beyond the end would give short arrays, and an absurd array length would loop for billions of items. So the
+    file is walked here first, and EOFError says where it ends too soon; gguf-py then reads a file whose every
+    record fits. Unknown value types are left for gguf-py to name.
     """
 
-    def _get(self, offset, dtype, count=1, override_order=None):
-        array = super()._get(offset, dtype, count, override_order)
-        if array.size < count:  # the memory map ended first
-            raise EOFError(f"a read of {count} items at byte {offset} runs past the end of the file")
-        return array
+    def __init__(self, data: bytes | mmap.mmap):
+        self.data, self.pos = data, 0
 
-    def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type == _ARRAY:
-            length = int(self._get(orig_offs + 4, np.uint64)[0])
-            if length > self.data.size - orig_offs:  # every item takes at least one byte
-                raise EOFError(f"an array at byte {orig_offs} claims {length} items, more than the file holds")
-        return super()._get_field_parts(orig_offs, raw_type)
+    def check(self) -> None:
+        self.skip(8)  # magic and version
+        tensor_count, kv_count = self.take("QQ")
+        for _ in range(kv_count):
+            self.string()
+            if not self.value(*self.take("I")):
+                return
+        for _ in range(tensor_count):
+            name = self.string()
+            (n_dims,) = self.take("I")
+            self.skip(8 * n_dims + 4)  # dims, type
+            (offset,) = self.take("Q")
+            if offset > len(self.data) - self.pos:  # the data section starts further on still
+                raise EOFError(f"tensor {name!r} starts at byte {offset} of the data, past the end of the file")
+
+    def value(self, value_type: int) -> bool:
+        """Step over one value; False for a type gguf-py will refuse."""
+        if value_type == gguf.GGUFValueType.STRING:
+            self.string()
+        elif value_type in _SCALAR_SIZES:
+            self.skip(_SCALAR_SIZES[value_type])
+        elif value_type == gguf.GGUFValueType.ARRAY:
+            item_type, length = self.take("IQ")
+            if length > len(self.data) - self.pos:  # every item takes at least one byte
+                raise EOFError(f"an array at byte {self.pos} claims {length} items, more than the file holds")
+            if item_type in _SCALAR_SIZES:
+                self.skip(length * _SCALAR_SIZES[item_type])
+            else:
+                return all(self.value(item_type) for _ in range(length))
+        else:
+            return False
+        return True
+
+    def string(self) -> str:
+        (length,) = self.take("Q")
+        start = self.pos
+        self.skip(length)
+        return bytes(self.data[start:self.pos]).decode("utf-8", errors="replace")
+
+    def take(self, fmt: str) -> tuple[int, ...]:
+        start = self.pos
+        self.skip(struct.calcsize("<" + fmt))
+        return struct.unpack_from("<" + fmt, self.data, start)
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.data):
+            raise EOFError(f"a read of {n} bytes at byte {self.pos} runs past the end of the file")
+        self.pos += n
 
 
 class GGUFReader(FormatReader):
@@ -101,16 +149,18 @@ class GGUFReader(FormatReader):
     def __init__(self, path: Path):
         super().__init__(path)
         with open(self.path, "rb") as f:
-            magic = f.read(len(MAGIC))
+            magic, version = f.read(len(MAGIC)), f.read(4)
         if magic != MAGIC:
             raise FormatError(self.path, f"bad magic {magic!r}, a GGUF file starts with {MAGIC!r}")
+        if len(version) == 4 and int.from_bytes(version, "little") & 0xFFFF == 0:  # a version written big-endian
+            raise FormatError(self.path, "big-endian GGUF files are not supported")
         try:
-            self._gguf = _BoundedGGUFReader(self.path)
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                _Extents(data).check()
+            self._gguf = gguf.GGUFReader(self.path)
         except (ValueError, KeyError, IndexError, EOFError, UnicodeDecodeError, OverflowError) as e:
             # gguf-py raises these for a bad version, unknown value or tensor type, duplicate or truncated records
             raise FormatError(self.path, f"unreadable GGUF: {e}") from e
-        if self._gguf.byte_order != "I":
-            raise FormatError(self.path, "big-endian GGUF files are not supported")
         self._tensors = {t.name: t for t in self._gguf.tensors}
         try:
             self.metadata: dict[str, Any] = {
