@@ -9,13 +9,19 @@ untouched. A family that spells a field differently (GPT-2's `n_embd`) lists the
 from __future__ import annotations
 
 from collections.abc import Mapping
+import json
 from dataclasses import dataclass, field, fields
 from numbers import Integral
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 from .arch import Architecture, architecture_for
 from .errors import FormatError, UnsupportedArchitectureError
+from .storage import read_json
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -96,3 +102,42 @@ def _family(model_type: str | None) -> Architecture | None:
 def _aliases(model_type: str | None) -> Mapping[str, str]:
     family = _family(model_type)
     return family.config_aliases if family else {}
+
+
+def read_config(directory: str | PathLike) -> dict[str, Any]:
+    """A model directory's config.json as stored. FormatError naming the file when it is not a JSON object."""
+    path = Path(directory) / CONFIG
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise FormatError(path, "is not a JSON object")
+    return config
+
+
+def load_config(directory: str | PathLike) -> dict[str, Any]:
+    """What `mlx_lm.utils.load_config` returns: config.json with generation_config.json's eos_token_id over it.
+
+    mlx_lm.utils is imported (with transformers, ~1 s) only for a config holding the tagged floats
+    ({"__float__": "NaN"}) that it alone decodes."""
+    directory = Path(directory)
+    config = read_config(directory)
+    if _has_tagged_float(config):
+        from mlx_lm.utils import load_config as mlx_lm_load_config
+
+        return mlx_lm_load_config(directory)
+    generation = {}
+    if (directory / GENERATION_CONFIG).exists():
+        try:
+            generation = json.loads((directory / GENERATION_CONFIG).read_bytes())
+        except json.JSONDecodeError:  # mlx_lm ignores a generation config it cannot parse
+            pass
+    if eos := generation.get("eos_token_id", False):
+        config["eos_token_id"] = eos
+    return config
+
+
+def _has_tagged_float(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return "__float__" in obj or any(_has_tagged_float(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_tagged_float(v) for v in obj)
+    return False

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quant
+from ..config import load_config
 from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from ..storage import read_json
@@ -53,39 +54,6 @@ def decode_key(key: str) -> str:
     if not _KEY.fullmatch(key) or key.startswith("."):
         raise ValueError(f"not a valid tensor key: {key!r}")
     return unquote(key)
-
-
-def load_config(directory: Path) -> dict:
-    """mlx_lm.utils.load_config, without importing mlx_lm.utils (which imports transformers, ~1 s) unless the
-    config holds one of the tagged floats ({"__float__": "NaN"}) only mlx_lm decodes: then mlx_lm reads it."""
-    import json
-
-    directory = Path(directory)
-    with open(directory / "config.json") as f:
-        config = json.load(f)
-    if _has_tagged_float(config):
-        from mlx_lm.utils import load_config as mlx_lm_load_config
-
-        return mlx_lm_load_config(directory)
-    generation_file = directory / "generation_config.json"
-    if generation_file.exists():
-        generation = {}
-        try:
-            with open(generation_file) as f:
-                generation = json.load(f)
-        except json.JSONDecodeError:
-            pass
-        if eos := generation.get("eos_token_id", False):
-            config["eos_token_id"] = eos
-    return config
-
-
-def _has_tagged_float(obj) -> bool:
-    if isinstance(obj, dict):
-        return "__float__" in obj or any(_has_tagged_float(v) for v in obj.values())
-    if isinstance(obj, list):
-        return any(_has_tagged_float(v) for v in obj)
-    return False
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import shutil
 
 import numpy as np
 
-from ..formats.npydir import SCHEMES, NpyDir, load_config
+from ..config import load_config
+from ..formats.npydir import SCHEMES, NpyDir
 from ..quant import int4_to_mlx
 from ..storage import file_record, make_temp_dir, publish_dir, write_json, write_sentinel
 from .base import Loaded, Tier, mlx_names
