@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from .config import CONFIG
 from .errors import OutputExistsError, QuantizationError
 from .formats.mlx import MODE_DEFAULTS, QuantParams
 from .formats.ollama import (
@@ -44,7 +45,7 @@ from .formats.ollama import (
     manifest_path,
     sha256_file,
 )
-from .formats.safetensors import CONFIG, INDEX, SINGLE_FILE
+from .formats.safetensors import INDEX, SINGLE_FILE
 from .model import build_model
 from .provider import WeightProvider
 from .storage import fsync_dir, make_temp_dir, publish_dir, write_json
