@@ -16,16 +16,13 @@ import numpy as np
 
 from ..dtypes import MX_STORAGE, NP_STORAGE
 from ..formats.npydir import MANIFEST, NpyDir
-from . import fastmem
 from .base import Loaded, Tier, mlx_names
+from .fastmem import assign_streams, cpu_streams, huge_page_arena, prefetch
 
 
 class ColdTier(Tier):
     name = "cold"
     sentinel = MANIFEST  # a store that opened is valid, so its manifest is all this tier needs
-
-    def wanted(self, store: NpyDir) -> bool:
-        return False  # nothing to build: the store is this tier
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
         return {"files": store.part_files()}, "ready"
@@ -40,7 +37,7 @@ class ColdTier(Tier):
     def load_dense(self, store: NpyDir) -> tuple[Loaded, dict[str, np.ndarray]]:
         """(the weights, the same memory as NumPy arrays by canonical name: what the cache tiers build from)."""
         store.check_part_sizes()  # before allocating from the manifest's shapes
-        fastmem.prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
+        prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
         buffers, dense = _allocate(store)
         _dequantize_all(store, dense)
         names = mlx_names(store)
@@ -61,13 +58,13 @@ def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]
     itemsize = NP_STORAGE[dtype].itemsize
     largest_first = sorted(store.entries, key=lambda n: -math.prod(store.entries[n]["shape"]))
     sizes = {name: math.prod(store.entries[name]["shape"]) * itemsize for name in largest_first}
-    chosen = fastmem.assign_streams(sizes)  # the zero-fill that faults the pages in runs on every core
-    streams = fastmem.cpu_streams()
+    chosen = assign_streams(sizes)  # the zero-fill that faults the pages in runs on every core
+    streams = cpu_streams()
     buffers = {
         name: mx.zeros(entry["shape"], dtype=MX_STORAGE[dtype], stream=streams[chosen[name]])
         for name, entry in store.entries.items()
     }
-    with fastmem.huge_page_arena(sum(sizes.values())):
+    with huge_page_arena(sum(sizes.values())):
         mx.eval(list(buffers.values()))
     dense = {name: np.asarray(b) for name, b in buffers.items()}
     if all(a.flags.writeable and a.flags.c_contiguous for a in dense.values()):
