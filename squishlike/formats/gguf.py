@@ -78,6 +78,9 @@ _SCALAR_SIZES = {
 }
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Extents:
     """Walks a little-endian GGUF's header, metadata and tensor records, checking every length against the file.
 
@@ -117,6 +120,8 @@ class _Extents:
                 raise EOFError(f"an array at byte {self.pos} claims {length} items, more than the file holds")
             if item_type in _SCALAR_SIZES:
                 self.skip(length * _SCALAR_SIZES[item_type])
+            elif item_type == gguf.GGUFValueType.STRING:
+                self.strings(length)
             else:
                 return all(self.value(item_type) for _ in range(length))
         else:
@@ -128,6 +133,15 @@ class _Extents:
         start = self.pos
         self.skip(length)
         return bytes(self.data[start:self.pos]).decode("utf-8", errors="replace")
+
+    def strings(self, count: int) -> None:
+        """Step over `count` strings: a vocabulary's 100k+ tokens, so one tight loop."""
+        data, end, pos, length_at = self.data, len(self.data), self.pos, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise EOFError(f"a string at byte {pos} runs past the end of the file")
+            pos += 8 + length_at(data, pos)[0]
+        self.skip(pos - self.pos)  # the last string must end in the file too
 
     def take(self, fmt: str) -> tuple[int, ...]:
         start = self.pos
