@@ -83,8 +83,7 @@ def _log(message: str) -> None:
 def source_model(provider) -> tuple[nn.Module, Any]:
     """The provider's model as mlx_lm builds it (what `squishlike.load` gives for a non-npy-dir source), in
     float32, and its tokenizer."""
-    from mlx_lm.utils import load_config
-
+    from .config import load_config
     from .model import build_model, build_tokenizer
 
     weights = {provider.mlx_name(n): provider.get(n) for n in provider.names()}

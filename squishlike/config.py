@@ -1,5 +1,5 @@
-"""One model config for every format: filled from a config.json or from GGUF metadata, written as a config.json
-that mlx_lm accepts (`mlx_lm.utils._get_classes(d)`, then `ModelArgs.from_dict(d)`).
+"""One model config for every format: filled from a config.json (a GGUF reader builds one from its metadata), written
+as a config.json that mlx_lm accepts (`mlx_lm.utils._get_classes(d)`, then `ModelArgs.from_dict(d)`).
 
 The fields are the facts the provider and the loader need; every other config.json key rides along in `extra`
 untouched. A family that spells a field differently (GPT-2's `n_embd`) lists the spelling in its Architecture's
@@ -8,35 +8,22 @@ untouched. A family that spells a field differently (GPT-2's `n_embd`) lists the
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
+import json
 from dataclasses import dataclass, field, fields
 from numbers import Integral
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
-from gguf import LlamaFileType
+from .arch import Architecture, architecture_for
+from .errors import FormatError, UnsupportedArchitectureError
+from .io.atomic import read_json
 
-from .arch import Architecture, architecture_for, architecture_for_gguf
-from .errors import FormatError, SquishError, UnsupportedArchitectureError
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-
-# GGUF metadata key (after `{arch}.`) for each required field; vocab_size falls back to the tokenizer's size.
-GGUF_REQUIRED = {
-    "hidden_size": "embedding_length",
-    "num_hidden_layers": "block_count",
-    "num_attention_heads": "attention.head_count",
-    "intermediate_size": "feed_forward_length",
-}
-
-# A GGUF's float type, when the whole file has one; a quantized file dequantizes to a runtime we pick: bfloat16
-# has float32's range, so no family overflows in it.
-GGUF_FILE_DTYPES = {
-    LlamaFileType.ALL_F32: "float32",
-    LlamaFileType.MOSTLY_F16: "float16",
-    LlamaFileType.MOSTLY_BF16: "bfloat16",
-}
-
 
 @dataclass
 class ModelConfig:
@@ -95,63 +82,6 @@ class ModelConfig:
         values = {key: rest.pop(key) for key in names if key in rest}
         return cls(**values, extra=rest)
 
-    @classmethod
-    def from_gguf(
-        cls, metadata: Mapping[str, Any], tensor_names: Collection[str], path: str | PathLike = "model.gguf"
-    ) -> ModelConfig:
-        """From GGUF metadata (key -> value) and the file's tensor names (tied when `output.weight` is absent).
-
-        Keys are read as `{arch}.{key}` first, then as `{key}`. FormatError (naming `path`) lists missing keys.
-        """
-        try:
-            return cls._from_gguf(metadata, tensor_names, path)
-        except SquishError:
-            raise
-        except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError, OverflowError) as e:
-            # hostile metadata: a count of zero, a string where a number belongs, ...
-            raise FormatError(path, f"GGUF metadata does not describe a model: {type(e).__name__}: {e}") from None
-
-    @classmethod
-    def _from_gguf(cls, metadata: Mapping[str, Any], tensor_names: Collection[str], path) -> ModelConfig:
-        gguf_arch = metadata.get("general.architecture")
-        if gguf_arch is None:
-            raise FormatError(path, "GGUF metadata has no general.architecture")
-        if not isinstance(gguf_arch, str):
-            raise FormatError(path, f"GGUF general.architecture is {gguf_arch!r}, not a name")
-        family = architecture_for_gguf(gguf_arch)
-
-        def get(key: str) -> Any:
-            return metadata.get(f"{gguf_arch}.{key}", metadata.get(key))
-
-        missing = [f"{gguf_arch}.{key}" for key in GGUF_REQUIRED.values() if get(key) is None]
-        vocab_size = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
-        if not vocab_size:
-            missing.append(f"{gguf_arch}.vocab_size (or tokenizer.ggml.tokens)")
-        if missing:
-            raise FormatError(path, f"GGUF metadata is missing required keys: {', '.join(missing)}")
-
-        config = {name: get(key) for name, key in GGUF_REQUIRED.items()}
-        config.update(
-            model_type=family.model_type,
-            vocab_size=vocab_size,
-            num_key_value_heads=get("attention.head_count_kv"),
-            head_dim=get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"],
-            rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
-            layer_norm_eps=get("attention.layer_norm_epsilon"),
-            rope_theta=get("rope.freq_base"),
-            max_position_embeddings=get("context_length"),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            torch_dtype=GGUF_FILE_DTYPES.get(metadata.get("general.file_type"), "bfloat16"),
-        )
-        scaling = get("rope.scaling.type")
-        if scaling not in (None, "none"):
-            config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
-            if original := get("rope.scaling.original_context_length"):
-                config["rope_scaling"]["original_max_position_embeddings"] = original
-        if family.gguf_config is not None:
-            config.update(family.gguf_config(get, config))
-        return cls.from_dict({k: v for k, v in config.items() if v is not None}, path)
-
     def to_dict(self) -> dict[str, Any]:
         """A config.json dict: `extra` as it came, the fields on top, in the family's own spelling."""
         out = dict(self.extra)
@@ -172,3 +102,42 @@ def _family(model_type: str | None) -> Architecture | None:
 def _aliases(model_type: str | None) -> Mapping[str, str]:
     family = _family(model_type)
     return family.config_aliases if family else {}
+
+
+def read_config(directory: str | PathLike) -> dict[str, Any]:
+    """A model directory's config.json as stored. FormatError naming the file when it is not a JSON object."""
+    path = Path(directory) / CONFIG
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise FormatError(path, "is not a JSON object")
+    return config
+
+
+def load_config(directory: str | PathLike) -> dict[str, Any]:
+    """What `mlx_lm.utils.load_config` returns: config.json with generation_config.json's eos_token_id over it.
+
+    mlx_lm.utils is imported (with transformers, ~1 s) only for a config holding the tagged floats
+    ({"__float__": "NaN"}) that it alone decodes."""
+    directory = Path(directory)
+    config = read_config(directory)
+    if _has_tagged_float(config):
+        from mlx_lm.utils import load_config as mlx_lm_load_config
+
+        return mlx_lm_load_config(directory)
+    generation = {}
+    if (directory / GENERATION_CONFIG).exists():
+        try:
+            generation = json.loads((directory / GENERATION_CONFIG).read_bytes())
+        except json.JSONDecodeError:  # mlx_lm ignores a generation config it cannot parse
+            pass
+    if eos := generation.get("eos_token_id", False):
+        config["eos_token_id"] = eos
+    return config
+
+
+def _has_tagged_float(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return "__float__" in obj or any(_has_tagged_float(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_tagged_float(v) for v in obj)
+    return False

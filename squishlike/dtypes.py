@@ -9,8 +9,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-NP_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+# name: (the MLX dtype, the NumPy dtype that stores its bits, the MLX dtype of those same bits)
+FLOAT_DTYPES = {
+    "float32": (mx.float32, np.dtype(np.float32), mx.float32),
+    "float16": (mx.float16, np.dtype(np.float16), mx.float16),
+    "bfloat16": (mx.bfloat16, np.dtype(np.uint16), mx.uint16),
+}
+MX_DTYPES = {name: dtype for name, (dtype, _, _) in FLOAT_DTYPES.items()}
+NP_STORAGE = {name: storage for name, (_, storage, _) in FLOAT_DTYPES.items()}
+MX_STORAGE = {name: storage for name, (_, _, storage) in FLOAT_DTYPES.items()}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

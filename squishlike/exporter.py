@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from .config import CONFIG
 from .errors import OutputExistsError, QuantizationError
 from .formats.mlx import MODE_DEFAULTS, QuantParams
 from .formats.ollama import (
@@ -40,7 +41,7 @@ from .formats.ollama import (
     blob_path,
     manifest_path,
 )
-from .formats.safetensors import CONFIG, INDEX, SINGLE_FILE, tensor_of, write_safetensors, write_tensors
+from .formats.safetensors import INDEX, SINGLE_FILE, tensor_of, write_safetensors, write_tensors
 from .io.atomic import atomic_path, make_temp_dir, publish_dir, publish_file, stream_file, temp_name, write_json
 from .io.checksum import CHECKSUM
 from .io.stream import StreamWriter

@@ -61,8 +61,7 @@ def load(
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")
-        from mlx_lm.utils import load_config
-
+        from .config import load_config
         from .provider import WeightProvider
 
         with WeightProvider.open(path if path is not None else path_or_hf_repo) as provider:

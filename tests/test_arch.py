@@ -9,10 +9,11 @@ from fixtures.gguf_models import CONFIGS, random_model
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from squishlike.arch import Need, architecture_for, architecture_for_gguf, from_canonical, to_canonical
+from squishlike.arch import Need, architecture_for, architecture_for_gguf
 from squishlike.arch.llama import permute_for_gguf, unpermute_from_gguf
 from squishlike.config import ModelConfig
 from squishlike.errors import FormatError, UnsupportedArchitectureError
+from squishlike.formats.gguf import config_from_metadata
 
 FAMILIES = list(CONFIGS)
 
@@ -86,26 +87,29 @@ def test_qk_permutation_round_trips_on_numpy_and_mlx(shape, heads):
 
 
 def test_adapters_by_naming_and_name():
-    _, llama, weights = random_model("llama")
+    _, config, weights = random_model("llama")
+    llama = architecture_for("llama")
     q, k = weights["layers.1.attention.q.weight"], weights["layers.1.attention.k.weight"]
     # Q has 4 heads, K 2: the permutation must use each one's own count
-    assert mx.array_equal(from_canonical("gguf", "layers.1.attention.q.weight", q, llama), permute_for_gguf(q, 4))
-    assert mx.array_equal(from_canonical("gguf", "layers.1.attention.k.weight", k, llama), permute_for_gguf(k, 2))
-    assert mx.array_equal(to_canonical("hf", "layers.1.attention.q.weight", q, llama), q)  # HF is canonical
+    assert mx.array_equal(llama.from_canonical("gguf", "layers.1.attention.q.weight", q, config), permute_for_gguf(q, 4))
+    assert mx.array_equal(llama.from_canonical("gguf", "layers.1.attention.k.weight", k, config), permute_for_gguf(k, 2))
+    assert mx.array_equal(llama.to_canonical("hf", "layers.1.attention.q.weight", q, config), q)  # HF is canonical
     v = weights["layers.1.attention.v.weight"]
-    assert mx.array_equal(from_canonical("gguf", "layers.1.attention.v.weight", v, llama), v)
+    assert mx.array_equal(llama.from_canonical("gguf", "layers.1.attention.v.weight", v, config), v)
 
-    _, qwen, weights = random_model("qwen2")
+    _, config, weights = random_model("qwen2")
     bias = weights["layers.0.attention.q.bias"]
-    assert mx.array_equal(from_canonical("gguf", "layers.0.attention.q.bias", bias, qwen), bias)  # not permuted
+    qwen = architecture_for("qwen2")
+    assert mx.array_equal(qwen.from_canonical("gguf", "layers.0.attention.q.bias", bias, config), bias)  # not permuted
 
-    _, gemma, weights = random_model("gemma3_text")
+    _, config, weights = random_model("gemma3_text")
+    gemma = architecture_for("gemma3_text")
     for name in ("layers.0.attention.q_norm.weight", "layers.1.post_ffn_norm.weight", "output_norm.weight"):
-        stored = from_canonical("gguf", name, weights[name], gemma)
+        stored = gemma.from_canonical("gguf", name, weights[name], config)
         assert mx.allclose(stored, weights[name] + 1)
-        assert mx.allclose(to_canonical("gguf", name, stored, gemma), weights[name])
+        assert mx.allclose(gemma.to_canonical("gguf", name, stored, config), weights[name])
     q = weights["layers.0.attention.q.weight"]
-    assert mx.array_equal(from_canonical("gguf", "layers.0.attention.q.weight", q, gemma), q)  # not permuted
+    assert mx.array_equal(gemma.from_canonical("gguf", "layers.0.attention.q.weight", q, config), q)  # not permuted
 
 
 def test_gpt2_hf_weights_become_what_mlx_lm_sanitize_makes():
@@ -161,13 +165,13 @@ def test_config_from_gguf_metadata():
         "llama.context_length": 8192,
         "tokenizer.ggml.tokens": ["a"] * 100,
     }
-    config = ModelConfig.from_gguf(metadata, ["token_embd.weight"])
+    config = config_from_metadata(metadata, ["token_embd.weight"])
     assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("llama", 30, 3)
     assert (config.head_dim, config.vocab_size, config.rms_norm_eps) == (64, 100, 1e-5)
     assert config.tie_word_embeddings is True
-    assert ModelConfig.from_gguf(metadata, ["token_embd.weight", "output.weight"]).tie_word_embeddings is False
+    assert config_from_metadata(metadata, ["token_embd.weight", "output.weight"]).tie_word_embeddings is False
     del metadata["llama.feed_forward_length"]
-    assert ModelConfig.from_gguf(metadata, []).intermediate_size == 1536
+    assert config_from_metadata(metadata, []).intermediate_size == 1536
     del metadata["llama.block_count"], metadata["tokenizer.ggml.tokens"]
     with pytest.raises(FormatError, match=r"x\.gguf: .*llama\.block_count.*llama\.vocab_size"):
-        ModelConfig.from_gguf(metadata, [], "x.gguf")
+        config_from_metadata(metadata, [], "x.gguf")

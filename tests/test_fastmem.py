@@ -42,7 +42,7 @@ for name, value in sorted(tree_flatten(model.parameters())):
     raw = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value  # NumPy has no bfloat16
     h.update(name.encode() + str(value.dtype).encode() + np.array(raw).tobytes())
 print(json.dumps({"weights": h.hexdigest(), "tokens": tokenizer.encode("The capital of France"),
-                  "arena_bytes": fastmem.last_populate.get("bytes", 0), "pending": fastmem._pending is not None}))
+                  "arena_bytes": fastmem.last_populate.get("bytes", 0), "pending": fastmem.reserved()}))
 """
 
 
@@ -58,7 +58,7 @@ def _digests(store, env: dict, evicted: bool = False) -> dict:
     return out
 
 
-@pytest.mark.skipif(fastmem._glibc() is None, reason="huge-page arena needs Linux glibc with THP not disabled")
+@pytest.mark.skipif(not fastmem.available(), reason="huge-page arena needs Linux glibc with THP not disabled")
 def test_prefaulted_arena_loads_identical_weights(int4_store):
     plain = _digests(int4_store, {"SQUISHLIKE_HUGEPAGES": "0"})
     arena = _digests(int4_store, {}, evicted=True)
@@ -70,13 +70,13 @@ def test_prefaulted_arena_loads_identical_weights(int4_store):
         assert not arena[tier]["pending"]  # every reservation was used or given back
 
 
-@pytest.mark.skipif(fastmem._glibc() is None, reason="huge-page arena needs Linux glibc with THP not disabled")
+@pytest.mark.skipif(not fastmem.available(), reason="huge-page arena needs Linux glibc with THP not disabled")
 def test_reservation_released_when_the_load_fails(int4_store, monkeypatch):
     monkeypatch.setattr(fastmem, "MIN_ARENA", 0)
     (int4_store / "tokenizer.json").write_text("{not json")
     with pytest.raises(squishlike.errors.FormatError, match="tokenizer"):
         squishlike.load(int4_store, tier="mlx")
-    assert fastmem._pending is None
+    assert not fastmem.reserved()
 
 
 @pytest.mark.parametrize("tier", ["mlx", "cold"])

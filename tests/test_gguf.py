@@ -200,6 +200,18 @@ def test_absurd_counts(tiny_gguf):
     assert_format_error(tiny_gguf, "claims 1152921504606846976 items")
 
 
+def test_absurd_length_of_a_number_array(tmp_path):
+    # gguf-py steps over a number array item by item, each read past the end silently empty: it would loop 2**60
+    # times. The walk before it refuses the length.
+    key = b"llama.rope.dimension_sections"
+    header = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    record = len(key).to_bytes(8, "little") + key + int(gguf.GGUFValueType.ARRAY).to_bytes(4, "little")
+    record += int(gguf.GGUFValueType.INT32).to_bytes(4, "little") + (1 << 60).to_bytes(8, "little")
+    path = tmp_path / "numbers.gguf"
+    path.write_bytes(header + record + bytes(16))
+    assert_format_error(path, "claims 1152921504606846976 items")
+
+
 def test_type_gguf_py_cannot_dequantize(tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "ints.gguf", "llama")
     writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.int32).reshape(3, 4))

@@ -22,12 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import UnsupportedArchitectureError
-
-if TYPE_CHECKING:
-    from ..config import ModelConfig
 
 NAMINGS = ("canonical", "hf", "gguf", "mlx")
 _LAYER = re.compile(r"^layers\.(\d+)\.")  # every per-layer canonical name starts so
@@ -58,9 +55,16 @@ def rule(canonical: str, hf: str, gguf: str, mlx: str | None = None, need: Need 
     return Rule(canonical, hf, gguf, hf if mlx is None else mlx, need)
 
 
+class HeadCounts(Protocol):
+    """The config facts an adapter may need: squishlike.config.ModelConfig has them."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
 # (canonical name, array, config) -> array. Written with methods numpy and mlx arrays share, so the export writers
 # can use them on either.
-Transform = Callable[[str, Any, "ModelConfig"], Any]
+Transform = Callable[[str, Any, HeadCounts], Any]
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,13 @@ class Architecture:
     def adapters_for(self, naming: str, canonical: str) -> list[Adapter]:
         return [a for a in self.adapters if a.applies(naming, canonical)]
 
-    def to_canonical(self, naming: str, canonical: str, array, config: ModelConfig):
+    def to_canonical(self, naming: str, canonical: str, array, config: HeadCounts):
         """A tensor as the `naming` format stores it -> its canonical values."""
         for adapter in self.adapters_for(naming, canonical):
             array = adapter.to_canonical(canonical, array, config)
         return array
 
-    def from_canonical(self, naming: str, canonical: str, array, config: ModelConfig):
+    def from_canonical(self, naming: str, canonical: str, array, config: HeadCounts):
         """Canonical values -> the tensor as the `naming` format stores it (what an export writer writes)."""
         for adapter in reversed(self.adapters_for(naming, canonical)):
             array = adapter.from_canonical(canonical, array, config)
@@ -169,26 +173,15 @@ def architecture_for_gguf(gguf_arch: str) -> Architecture:
     )
 
 
-def to_canonical(naming: str, canonical: str, array, config: ModelConfig):
-    """`Architecture.to_canonical` for the family `config.model_type` names."""
-    return architecture_for(config.model_type).to_canonical(naming, canonical, array, config)
-
-
-def from_canonical(naming: str, canonical: str, array, config: ModelConfig):
-    """`Architecture.from_canonical` for the family `config.model_type` names."""
-    return architecture_for(config.model_type).from_canonical(naming, canonical, array, config)
-
-
 __all__ = [
     "Adapter",
     "Architecture",
     "NAMINGS",
     "Need",
     "Rule",
+    "HeadCounts",
     "architecture_for",
     "architecture_for_gguf",
     "architectures",
-    "from_canonical",
     "rule",
-    "to_canonical",
 ]

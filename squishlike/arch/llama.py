@@ -7,7 +7,7 @@ Without it the model still runs, but its perplexity is ~10x worse.
 
 from __future__ import annotations
 
-from . import Adapter, Architecture, Need, Rule, rule
+from . import Adapter, Architecture, HeadCounts, Need, Rule, rule
 
 EMBEDDING = rule("token_embedding.weight", "model.embed_tokens.weight", "token_embd.weight")
 ATTENTION_NORM = rule(
@@ -72,7 +72,7 @@ def unpermute_from_gguf(w, heads: int):
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _heads(canonical: str, config) -> int:
+def _heads(canonical: str, config: HeadCounts) -> int:
     # Q has one block of rows per attention head, K one per key/value head.
     return config.num_attention_heads if ".attention.q." in canonical else config.num_key_value_heads
 

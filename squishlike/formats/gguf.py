@@ -12,6 +12,10 @@ llama.cpp's converter wrote them (Llama Q/K permuted, Gemma norms +1); the provi
 from __future__ import annotations
 
 import json
+import mmap
+import struct
+from collections.abc import Collection, Mapping
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +24,9 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers, processors
 
+from ..arch import architecture_for_gguf
 from ..config import ModelConfig
-from ..errors import FormatError, MissingTensorError
+from ..errors import FormatError, MissingTensorError, SquishError
 from ..io.atomic import atomic_path, write_bytes
 from .base import FormatReader, TensorInfo
 
@@ -30,6 +35,22 @@ FLOAT_TYPES = {
     gguf.GGMLQuantizationType.F32: "float32",
     gguf.GGMLQuantizationType.F16: "float16",
     gguf.GGMLQuantizationType.BF16: "bfloat16",
+}
+
+# GGUF metadata key (after `{arch}.`) for each required config field; vocab_size falls back to the tokenizer's size.
+REQUIRED_CONFIG = {
+    "hidden_size": "embedding_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "intermediate_size": "feed_forward_length",
+}
+
+# A GGUF's float type, when the whole file has one; a quantized file dequantizes to a runtime we pick: bfloat16
+# has float32's range, so no family overflows in it.
+FILE_DTYPES = {
+    gguf.LlamaFileType.ALL_F32: "float32",
+    gguf.LlamaFileType.MOSTLY_F16: "float16",
+    gguf.LlamaFileType.MOSTLY_BF16: "bfloat16",
 }
 
 # tokenizer_config.json key -> the GGUF key (after `tokenizer.ggml.`) holding its id
@@ -50,28 +71,88 @@ PRE_TOKENIZERS = {
 }
 
 
-_ARRAY = int(gguf.GGUFValueType.ARRAY)  # a plain int: numpy's uint32 against an IntEnum compares ~50x slower
+_SCALAR_SIZES = {
+    gguf.GGUFValueType.UINT8: 1, gguf.GGUFValueType.INT8: 1, gguf.GGUFValueType.BOOL: 1,
+    gguf.GGUFValueType.UINT16: 2, gguf.GGUFValueType.INT16: 2,
+    gguf.GGUFValueType.UINT32: 4, gguf.GGUFValueType.INT32: 4, gguf.GGUFValueType.FLOAT32: 4,
+    gguf.GGUFValueType.UINT64: 8, gguf.GGUFValueType.INT64: 8, gguf.GGUFValueType.FLOAT64: 8,
+}
 
 
-class _BoundedGGUFReader(gguf.GGUFReader):
-    """gguf-py's reader, refusing to read past the end of the file.
+_U64 = struct.Struct("<Q")
+
+
+class _Extents:
+    """Walks a little-endian GGUF's header, metadata and tensor records, checking every length against the file.
 
     gguf-py slices its memory map, and a slice past the end is silently short: a truncated file or a tensor offset
-    beyond the end would give short arrays, and an absurd array length would loop for billions of items.
+    beyond the end would give short arrays, and an absurd array length would loop for billions of items. So the
+    file is walked here first, and EOFError says where it ends too soon; gguf-py then reads a file whose every
+    record fits. Unknown value types are left for gguf-py to name.
     """
 
-    def _get(self, offset, dtype, count=1, override_order=None):
-        array = super()._get(offset, dtype, count, override_order)
-        if array.size < count:  # the memory map ended first
-            raise EOFError(f"a read of {count} items at byte {offset} runs past the end of the file")
-        return array
+    def __init__(self, data: bytes | mmap.mmap):
+        self.data, self.pos = data, 0
 
-    def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type == _ARRAY:
-            length = int(self._get(orig_offs + 4, np.uint64)[0])
-            if length > self.data.size - orig_offs:  # every item takes at least one byte
-                raise EOFError(f"an array at byte {orig_offs} claims {length} items, more than the file holds")
-        return super()._get_field_parts(orig_offs, raw_type)
+    def check(self) -> None:
+        self.skip(8)  # magic and version
+        tensor_count, kv_count = self.take("QQ")
+        for _ in range(kv_count):
+            self.string()
+            if not self.value(*self.take("I")):
+                return
+        for _ in range(tensor_count):
+            name = self.string()
+            (n_dims,) = self.take("I")
+            self.skip(8 * n_dims + 4)  # dims, type
+            (offset,) = self.take("Q")
+            if offset > len(self.data) - self.pos:  # the data section starts further on still
+                raise EOFError(f"tensor {name!r} starts at byte {offset} of the data, past the end of the file")
+
+    def value(self, value_type: int) -> bool:
+        """Step over one value; False for a type gguf-py will refuse."""
+        if value_type == gguf.GGUFValueType.STRING:
+            self.string()
+        elif value_type in _SCALAR_SIZES:
+            self.skip(_SCALAR_SIZES[value_type])
+        elif value_type == gguf.GGUFValueType.ARRAY:
+            item_type, length = self.take("IQ")
+            if length > len(self.data) - self.pos:  # every item takes at least one byte
+                raise EOFError(f"an array at byte {self.pos} claims {length} items, more than the file holds")
+            if item_type in _SCALAR_SIZES:
+                self.skip(length * _SCALAR_SIZES[item_type])
+            elif item_type == gguf.GGUFValueType.STRING:
+                self.strings(length)
+            else:
+                return all(self.value(item_type) for _ in range(length))
+        else:
+            return False
+        return True
+
+    def string(self) -> str:
+        (length,) = self.take("Q")
+        start = self.pos
+        self.skip(length)
+        return bytes(self.data[start:self.pos]).decode("utf-8", errors="replace")
+
+    def strings(self, count: int) -> None:
+        """Step over `count` strings: a vocabulary's 100k+ tokens, so one tight loop."""
+        data, end, pos, length_at = self.data, len(self.data), self.pos, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise EOFError(f"a string at byte {pos} runs past the end of the file")
+            pos += 8 + length_at(data, pos)[0]
+        self.skip(pos - self.pos)  # the last string must end in the file too
+
+    def take(self, fmt: str) -> tuple[int, ...]:
+        start = self.pos
+        self.skip(struct.calcsize("<" + fmt))
+        return struct.unpack_from("<" + fmt, self.data, start)
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.data):
+            raise EOFError(f"a read of {n} bytes at byte {self.pos} runs past the end of the file")
+        self.pos += n
 
 
 class GGUFReader(FormatReader):
@@ -83,16 +164,18 @@ class GGUFReader(FormatReader):
     def __init__(self, path: Path):
         super().__init__(path)
         with open(self.path, "rb") as f:
-            magic = f.read(len(MAGIC))
+            magic, version = f.read(len(MAGIC)), f.read(4)
         if magic != MAGIC:
             raise FormatError(self.path, f"bad magic {magic!r}, a GGUF file starts with {MAGIC!r}")
+        if len(version) == 4 and int.from_bytes(version, "little") & 0xFFFF == 0:  # a version written big-endian
+            raise FormatError(self.path, "big-endian GGUF files are not supported")
         try:
-            self._gguf = _BoundedGGUFReader(self.path)
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                _Extents(data).check()
+            self._gguf = gguf.GGUFReader(self.path)
         except (ValueError, KeyError, IndexError, EOFError, UnicodeDecodeError, OverflowError) as e:
             # gguf-py raises these for a bad version, unknown value or tensor type, duplicate or truncated records
             raise FormatError(self.path, f"unreadable GGUF: {e}") from e
-        if self._gguf.byte_order != "I":
-            raise FormatError(self.path, "big-endian GGUF files are not supported")
         self._tensors = {t.name: t for t in self._gguf.tensors}
         try:
             self.metadata: dict[str, Any] = {
@@ -114,7 +197,7 @@ class GGUFReader(FormatReader):
         return int(self._gguf.fields["GGUF.version"].contents())
 
     def config(self) -> dict:
-        return ModelConfig.from_gguf(self.metadata, self._tensors, self.path).to_dict()
+        return config_from_metadata(self.metadata, self._tensors, self.path).to_dict()
 
     def tensors(self) -> dict[str, TensorInfo]:
         return {
@@ -226,3 +309,59 @@ def _value(field: gguf.ReaderField) -> Any:
         return float(str(np.float32(value)))
     return value
 
+
+def config_from_metadata(
+    metadata: Mapping[str, Any], tensor_names: Collection[str], path: str | PathLike = "model.gguf"
+) -> ModelConfig:
+    """The model config GGUF metadata (key -> value) describes; tied when `output.weight` is not in `tensor_names`.
+
+    Keys are read as `{arch}.{key}` first, then as `{key}`. FormatError (naming `path`) lists missing keys.
+    """
+    try:
+        return _config_from_metadata(metadata, tensor_names, path)
+    except SquishError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError, OverflowError) as e:
+        # hostile metadata: a count of zero, a string where a number belongs, ...
+        raise FormatError(path, f"GGUF metadata does not describe a model: {type(e).__name__}: {e}") from None
+
+
+def _config_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str], path) -> ModelConfig:
+    gguf_arch = metadata.get("general.architecture")
+    if gguf_arch is None:
+        raise FormatError(path, "GGUF metadata has no general.architecture")
+    if not isinstance(gguf_arch, str):
+        raise FormatError(path, f"GGUF general.architecture is {gguf_arch!r}, not a name")
+    family = architecture_for_gguf(gguf_arch)
+
+    def get(key: str) -> Any:
+        return metadata.get(f"{gguf_arch}.{key}", metadata.get(key))
+
+    missing = [f"{gguf_arch}.{key}" for key in REQUIRED_CONFIG.values() if get(key) is None]
+    vocab_size = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    if not vocab_size:
+        missing.append(f"{gguf_arch}.vocab_size (or tokenizer.ggml.tokens)")
+    if missing:
+        raise FormatError(path, f"GGUF metadata is missing required keys: {', '.join(missing)}")
+
+    config = {name: get(key) for name, key in REQUIRED_CONFIG.items()}
+    config.update(
+        model_type=family.model_type,
+        vocab_size=vocab_size,
+        num_key_value_heads=get("attention.head_count_kv"),
+        head_dim=get("attention.key_length") or config["hidden_size"] // config["num_attention_heads"],
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        layer_norm_eps=get("attention.layer_norm_epsilon"),
+        rope_theta=get("rope.freq_base"),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        torch_dtype=FILE_DTYPES.get(metadata.get("general.file_type"), "bfloat16"),
+    )
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+        if original := get("rope.scaling.original_context_length"):
+            config["rope_scaling"]["original_max_position_embeddings"] = original
+    if family.gguf_config is not None:
+        config.update(family.gguf_config(get, config))
+    return ModelConfig.from_dict({k: v for k, v in config.items() if v is not None}, path)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..config import CONFIG, read_config
 from ..errors import FormatError, MissingTensorError
 from .base import QuantizedTensor, TensorInfo
-from .safetensors import CONFIG, HFReader, dtype_name, load_config
+from .safetensors import HFReader, dtype_name
 
 MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 # What QuantizedLinear.to_quantized falls back to when a per-layer override leaves group_size or bits out.
@@ -119,7 +120,7 @@ class MLXReader(HFReader):
         if not HFReader.detect(path):
             return False
         try:
-            return isinstance(load_config(Path(path)).get("quantization"), dict)
+            return isinstance(read_config(path).get("quantization"), dict)
         except FormatError:
             return False
 

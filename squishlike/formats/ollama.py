@@ -23,7 +23,8 @@ from ..io.atomic import copy_file, read_json
 from ..io.checksum import file_checksum  # sha256, the digest Ollama names blobs by
 from .base import FormatReader, QuantizedTensor, TensorInfo
 from .mlx import QuantParams, quantized_shape
-from .safetensors import CONFIG, SafetensorsFile
+from ..config import CONFIG
+from .safetensors import SafetensorsFile
 
 TENSOR_MEDIA_TYPE = "application/vnd.ollama.image.tensor"
 JSON_MEDIA_TYPE = "application/vnd.ollama.image.json"

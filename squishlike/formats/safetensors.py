@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from safetensors import SafetensorError, safe_open
 
+from ..config import CONFIG, read_config
 from ..errors import FormatError, MissingTensorError
 from ..io.atomic import atomic_file, copy_file, read_json, stream_file
 from ..io.stream import StreamWriter
@@ -28,7 +29,6 @@ from .base import FormatReader, TensorInfo
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-CONFIG = "config.json"
 
 # What mlx_lm.load and transformers' tokenizers look for beside the weights.
 SIDE_FILES = (
@@ -207,13 +207,6 @@ def find_weights(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
     return list(shards.values()), {name: shards[shard] for name, shard in weight_map.items()}
 
 
-def load_config(directory: Path) -> dict:
-    config = read_json(directory / CONFIG)
-    if not isinstance(config, dict):
-        raise FormatError(directory / CONFIG, "is not a JSON object")
-    return config
-
-
 def copy_side_files(source: Path, dest: Path) -> list[Path]:
     """Copy config.json, tokenizer files, generation config and chat template from `source` into `dest`."""
     names = [n for n in SIDE_FILES if (source / n).is_file()]
@@ -260,7 +253,7 @@ class HFReader(FormatReader):
         return (path / CONFIG).is_file() and ((path / INDEX).is_file() or any(path.glob("model*.safetensors")))
 
     def config(self) -> dict:
-        return load_config(self.path)
+        return read_config(self.path)
 
     def tensors(self) -> dict[str, TensorInfo]:
         return {name: f.info(name) for name, f in self._where.items()}

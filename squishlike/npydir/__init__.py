@@ -26,7 +26,7 @@ from .manifest import (
     encode_key,
     part_file,
 )
-from .store import NpyDir, is_npydir, load_config, read_source
+from .store import NpyDir, is_npydir, read_source
 
 __all__ = [
     "FORMAT",
@@ -47,7 +47,6 @@ __all__ = [
     "decode_key",
     "encode_key",
     "is_npydir",
-    "load_config",
     "part_file",
     "read_source",
 ]

@@ -7,7 +7,6 @@ and every path is checked to stay inside the directory.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import threading
@@ -20,9 +19,10 @@ from .. import quant
 from ..dtypes import MX_DTYPES, to_mx, to_numpy
 from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from ..formats.base import QuantizedTensor
-from ..quant.schemes import rows_cols
+from ..config import load_config
 from ..io.atomic import read_json
-from .manifest import FORMAT, MANIFEST, TENSORS, FileRecord, Manifest, Source, TensorEntry
+from ..quant.schemes import rows_cols
+from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
 
 _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
 # NumPy parses a .npy header with ast.literal_eval, and CPython 3.11 (before 3.11.8) keeps the AST constructor's
@@ -30,37 +30,6 @@ _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
 # constructor recursion depth mismatch" (python/cpython#106905). The cold path opens parts from a thread pool,
 # so header parsing takes turns; it is microseconds, the reads and dequantization stay parallel.
 _HEADER_LOCK = threading.Lock()
-
-
-def load_config(directory: Path) -> dict:
-    """mlx_lm.utils.load_config, without importing mlx_lm.utils (which imports transformers, ~1 s) unless the
-    config holds one of the tagged floats ({"__float__": "NaN"}) only mlx_lm decodes: then mlx_lm reads it."""
-    directory = Path(directory)
-    with open(directory / "config.json") as f:
-        config = json.load(f)
-    if _has_tagged_float(config):
-        from mlx_lm.utils import load_config as mlx_lm_load_config
-
-        return mlx_lm_load_config(directory)
-    generation_file = directory / "generation_config.json"
-    if generation_file.exists():
-        generation = {}
-        try:
-            with open(generation_file) as f:
-                generation = json.load(f)
-        except json.JSONDecodeError:
-            pass
-        if eos := generation.get("eos_token_id", False):
-            config["eos_token_id"] = eos
-    return config
-
-
-def _has_tagged_float(obj) -> bool:
-    if isinstance(obj, dict):
-        return "__float__" in obj or any(_has_tagged_float(v) for v in obj.values())
-    if isinstance(obj, list):
-        return any(_has_tagged_float(v) for v in obj)
-    return False
 
 
 def is_npydir(path: str | Path) -> bool:

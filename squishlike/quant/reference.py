@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from squishlike.dtypes import NP_STORAGE
 from squishlike.errors import QuantizationError
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -36,9 +37,6 @@ _MLX_EPS = np.float32(1e-7)  # mx.quantize's smallest group width
 # `(k as f64 / 100.0) as f32`, the same correctly rounded number).
 CLIP_SHRINK = tuple(np.float32(k / 100) for k in range(11))
 
-_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # dtypes
 
@@ -46,7 +44,7 @@ _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "b
 def storage_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype that carries values of `dtype` (uint16 raw bits for bfloat16)."""
     try:
-        return _STORAGE[dtype]
+        return NP_STORAGE[dtype]
     except (KeyError, TypeError):
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}") from None
 

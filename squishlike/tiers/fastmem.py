@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import cache
 
 import mlx.core as mx
@@ -63,6 +63,11 @@ def _glibc() -> ctypes.CDLL | None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return libc
+
+
+def available() -> bool:
+    """Whether huge_page_arena can work here (Linux, glibc, THP not disabled, SQUISHLIKE_HUGEPAGES not 0)."""
+    return _glibc() is not None
 
 
 class _Reservation:
@@ -148,6 +153,11 @@ def reserve(nbytes: int) -> bool:
         return _pending.in_place
     finally:
         _lock.release()
+
+
+def reserved() -> bool:
+    """Whether a reservation made by reserve() is waiting for its load."""
+    return _pending is not None
 
 
 def release() -> None:
@@ -286,6 +296,18 @@ def cpu_streams() -> tuple[mx.Stream, ...]:
     return _streams[pid]
 
 
+def assign_streams(sizes: Mapping[str, int]) -> dict[str, int]:
+    """An index into cpu_streams() for each name: walking `sizes` (name -> bytes) in order, each goes to the stream
+    with the fewest bytes so far, so the streams finish together."""
+    loads = [0] * len(cpu_streams())
+    chosen = {}
+    for name, nbytes in sizes.items():
+        i = loads.index(min(loads))
+        chosen[name] = i
+        loads[i] += nbytes
+    return chosen
+
+
 def load_parallel(open_lazy: Callable[[mx.Stream], dict[str, mx.array]], order: list[str] | None = None,
                   lazy: bool = False, from_disk: bool = False) -> dict[str, mx.array]:
     """`open_lazy(stream)` returns lazily loaded arrays (e.g. `mx.load(path, stream=stream)`); evaluate them
@@ -295,20 +317,15 @@ def load_parallel(open_lazy: Callable[[mx.Stream], dict[str, mx.array]], order: 
     far, so the streams advance through the file side by side, which keeps reads from disk sequential."""
     if lazy:
         return open_lazy(mx.default_stream(mx.cpu))
-    streams = cpu_streams()
-    opened = [open_lazy(s) for s in streams]
+    opened = [open_lazy(s) for s in cpu_streams()]
     first = opened[0]
     if order is None or set(order) != set(first):
         order = list(first)
-    loads = [0] * len(streams)
-    chosen = {}
-    for name in order:
-        i = loads.index(min(loads))
-        chosen[name] = i
-        loads[i] += first[name].nbytes
+    sizes = {name: first[name].nbytes for name in order}
+    chosen = assign_streams(sizes)
     arrays = [opened[chosen[name]][name] for name in order]
     del opened
-    with huge_page_arena(sum(loads), wait=not from_disk):
+    with huge_page_arena(sum(sizes.values()), wait=not from_disk):
         mx.eval(arrays)
     return dict(zip(order, arrays))
 
@@ -359,12 +376,6 @@ def _cached(path, probes: int = 8) -> bool:
         os.close(fd)
 
 
-def evaluate(arrays: list[mx.array], nbytes: int) -> None:
-    """mx.eval inside a huge-page arena sized for `nbytes`."""
-    with huge_page_arena(nbytes):
-        mx.eval(arrays)
-
-
 def load_each(openers: dict[str, tuple[int, Callable[[mx.Stream], mx.array]]], lazy: bool = False,
               batch: int = 256, from_disk: bool = False) -> dict[str, mx.array]:
     """Like load_parallel, for one lazily loaded array per file: `openers[name] = (nbytes, open(stream))`.
@@ -375,15 +386,10 @@ def load_each(openers: dict[str, tuple[int, Callable[[mx.Stream], mx.array]]], l
         stream = mx.default_stream(mx.cpu)
         return {name: opener(stream) for name, (_, opener) in openers.items()}
     streams = cpu_streams()
-    loads = [0] * len(streams)
-    chosen = {}
-    for name in sorted(openers, key=lambda k: -openers[k][0]):
-        i = loads.index(min(loads))
-        chosen[name] = i
-        loads[i] += openers[name][0]
+    chosen = assign_streams({name: openers[name][0] for name in sorted(openers, key=lambda k: -openers[k][0])})
     out: dict[str, mx.array] = {}
     names = list(openers)
-    with huge_page_arena(sum(loads), wait=not from_disk):
+    with huge_page_arena(sum(nbytes for nbytes, _ in openers.values()), wait=not from_disk):
         for start in range(0, len(names), batch):
             part = {n: openers[n][1](streams[chosen[n]]) for n in names[start:start + batch]}
             mx.eval(list(part.values()))

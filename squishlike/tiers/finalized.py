@@ -14,7 +14,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 
-from ..dtypes import MX_DTYPES, NP_STORAGE
+from ..dtypes import MX_DTYPES, MX_STORAGE, NP_STORAGE
 from ..errors import FormatError
 from ..io.atomic import make_temp_dir, publish_dir
 from ..io.npy import write_npy_stream
@@ -24,7 +24,6 @@ from .base import Loaded, Tier, mlx_names
 from .fastmem import load_each, prefetch
 
 DIRECTORY = "finalized"
-_MX_STORAGE = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.uint16}
 
 
 class FinalizedTier(Tier):
@@ -44,7 +43,7 @@ class FinalizedTier(Tier):
                     array = mx.load(str(path), format="npy", stream=stream)
                 except (RuntimeError, ValueError, OSError) as e:
                     raise FormatError(path, f"unreadable .npy ({e})") from None
-                if array.dtype != _MX_STORAGE[dtype] or tuple(array.shape) != entry.shape:
+                if array.dtype != MX_STORAGE[dtype] or tuple(array.shape) != entry.shape:
                     raise FormatError(
                         path, f"holds {array.dtype}{list(array.shape)}, expected {dtype}{list(entry.shape)}")
                 return mx.view(array, MX_DTYPES[dtype], stream=stream) if dtype == "bfloat16" else array

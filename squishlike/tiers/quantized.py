@@ -16,10 +16,11 @@ import shutil
 
 import numpy as np
 
+from ..config import load_config
 from ..formats.safetensors import write_safetensors
 from ..io.atomic import copy_file, make_temp_dir, publish_dir, write_json
 from ..io.sentinel import write_sentinel
-from ..npydir import NpyDir, load_config
+from ..npydir import NpyDir
 from ..quant import mlx_words
 from .base import Loaded, Tier, mlx_names
 from .mlx import METADATA, load_safetensors

@@ -1,0 +1,85 @@
+"""The cold tier: the store itself, dequantized by the Rust kernels. Always ready; the tier the others are built from.
+
+The model's final MLX arrays are allocated first (in huge pages, tiers/fastmem.py) and the kernels dequantize
+straight into them, several tensors at a time; the cache tiers' builds then stream those same buffers to disk.
+One copy of the model in memory, written once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from ..dtypes import MX_STORAGE, NP_STORAGE
+from ..npydir import MANIFEST, NpyDir
+from .base import Loaded, Tier, mlx_names
+from .fastmem import assign_streams, cpu_streams, huge_page_arena, prefetch
+
+
+class ColdTier(Tier):
+    name = "cold"
+    sentinel = MANIFEST  # a store that opened is valid, so its manifest is all this tier needs
+
+    def ready(self, store: NpyDir) -> tuple[dict | None, str]:
+        return {"files": store.part_files()}, "ready"
+
+    def invalidate(self, store: NpyDir) -> None:
+        """Nothing: the store is never removed to rebuild it."""
+
+    def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
+        """Always computed: `lazy` does not apply to dequantization."""
+        return self.load_dense(store)[0]
+
+    def load_dense(self, store: NpyDir) -> tuple[Loaded, dict[str, np.ndarray]]:
+        """(the weights, the same memory as NumPy arrays by canonical name: what the cache tiers build from)."""
+        store.check_part_sizes()  # before allocating from the manifest's shapes
+        prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
+        buffers, dense = _allocate(store)
+        _dequantize_all(store, dense)
+        names = mlx_names(store)
+        if store.runtime_dtype == "bfloat16":
+            weights = {names[n]: b.view(mx.bfloat16) for n, b in buffers.items()}
+        else:
+            weights = {names[n]: b for n, b in buffers.items()}
+        return Loaded(weights, store.config(), self.name), dense
+
+    def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+        """Nothing: compress wrote this tier."""
+
+
+def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
+    """The model's final arrays (runtime dtype, bf16 as uint16), allocated by MLX in huge pages, and writable
+    NumPy views of them for the kernels to dequantize into."""
+    dtype = store.runtime_dtype
+    itemsize = NP_STORAGE[dtype].itemsize
+    largest_first = sorted(store.entries, key=lambda n: -math.prod(store.entries[n].shape))
+    sizes = {name: math.prod(store.entries[name].shape) * itemsize for name in largest_first}
+    chosen = assign_streams(sizes)  # the zero-fill that faults the pages in runs on every core
+    streams = cpu_streams()
+    buffers = {
+        name: mx.zeros(entry.shape, dtype=MX_STORAGE[dtype], stream=streams[chosen[name]])
+        for name, entry in store.entries.items()
+    }
+    with huge_page_arena(sum(sizes.values())):
+        mx.eval(list(buffers.values()))
+    dense = {name: np.asarray(b) for name, b in buffers.items()}
+    if all(a.flags.writeable and a.flags.c_contiguous for a in dense.values()):
+        return buffers, dense
+    # An MLX that does not lend its memory out writable: dequantize into NumPy, then copy into MLX.
+    dense = {name: np.empty(store.entries[name].shape, NP_STORAGE[dtype]) for name in store.entries}
+    _dequantize_all(store, dense)
+    buffers = {name: mx.array(a) for name, a in dense.items()}
+    return buffers, {name: np.asarray(b) for name, b in buffers.items()}
+
+
+def _dequantize_all(store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+    """store.dequantize(name, out=dense[name]) for every tensor, largest first, a few at a time: the Rust kernels
+    and the reads release the GIL, so passthrough copies overlap dequantization."""
+    order = sorted(dense, key=lambda n: -dense[n].size)
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="squishlike-cold") as pool:
+        for future in [pool.submit(store.dequantize, name, dense[name]) for name in order]:
+            future.result()
