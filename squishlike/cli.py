@@ -38,7 +38,7 @@ class _Calibrates(argparse.Action):
 
 
 def add_compress(sub) -> None:
-    from .compressor import ALL_TIERS, FORMATS
+    from .compress_options import ALL_TIERS, FORMATS
 
     p = sub.add_parser(
         "compress",
@@ -211,9 +211,10 @@ def add_eval(sub) -> None:
 
 
 def run_eval(args) -> int:
-    from .evaluate import evaluate
+    from .evaluation import evaluate, format_report
 
-    evaluate(args.path, args.reference, max_tokens=args.max_tokens, json=args.json)
+    result = evaluate(args.path, args.reference, max_tokens=args.max_tokens)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
 
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "fast_blas", False):  # float32 forward passes: 15x faster with the system OpenBLAS
-        from .evaluate import reexec_with_openblas
+        from .openblas import reexec_with_openblas
 
         reexec_with_openblas(argv)
     try:
