@@ -16,6 +16,8 @@ slower (the two fight for 2 cores and the GIL): 0.3-1.2 s per load on the 1.5B-s
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,8 @@ from .tiers import load_weights, prepare_memory, release_memory
 if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+log = logging.getLogger("squishlike")
 
 
 def load(
@@ -54,7 +58,11 @@ def load(
         try:
             import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
 
+            started = time.perf_counter()
             loaded = load_weights(store, tier, lazy)
+            seconds = time.perf_counter() - started
+            log.debug("%s: weights from the %s tier in %.3f s", store.path, loaded.tier, seconds,
+                      extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds}})
         finally:
             release_memory()  # a reservation no load used (an error before load_weights)
         from .model import assemble

@@ -309,7 +309,7 @@ def test_evaluate_end_to_end(tmp_path, model, tokenizer, capsys):
 def test_reexec_with_openblas(monkeypatch):
     calls = []
     monkeypatch.setattr(openblas.os, "execve", lambda *args: calls.append(args))
-    monkeypatch.setattr(ev, "find_openblas", lambda: "/lib/libopenblas.so.0")
+    monkeypatch.setattr(openblas, "find_openblas", lambda: "/lib/libopenblas.so.0")
     monkeypatch.delenv("SQUISHLIKE_NO_OPENBLAS", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/lib/other.so")
     openblas.reexec_with_openblas(["eval", "m"])
@@ -322,7 +322,7 @@ def test_reexec_with_openblas(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.setenv("SQUISHLIKE_NO_OPENBLAS", "1")  # opted out (or already restarted once)
     openblas.reexec_with_openblas(["eval", "m"])
-    monkeypatch.setattr(ev, "find_openblas", lambda: None)
+    monkeypatch.setattr(openblas, "find_openblas", lambda: None)
     monkeypatch.delenv("SQUISHLIKE_NO_OPENBLAS")
     openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1
