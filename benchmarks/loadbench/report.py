@@ -7,6 +7,11 @@ from pathlib import Path
 from .results import GB
 
 
+def _table(header: str, align: str, rows: list[str]) -> list[str]:
+    """A Markdown table after a blank line; nothing when there are no rows."""
+    return ["", header, align, *rows] if rows else []
+
+
 def markdown(result: dict) -> str:
     f = result["figures"]
     m = result["machine"]
@@ -36,32 +41,21 @@ def markdown(result: dict) -> str:
         lines.append(f"| {fig['label']} | {w['median']:.2f} | {w['min']:.2f} | {w['max']:.2f} | {speed} | {weights} "
                      f"| {floor} | {cold} | {rss / GB if rss else 0:.2f} GB | {ratio} | "
                      f"{fig['bytes_on_disk'] / GB:.2f} GB |")
-    floors = [(k, fig) for k, fig in f.items() if fig["group"] in ("floor", "disk")]
-    if floors:
-        lines += ["", "| floor | read s (median / min / max) | GB/s | process s (median) | bytes |",
-                  "|---|---:|---:|---:|---:|"]
-        for key, fig in floors:
-            r = fig["read_s"]
-            lines.append(f"| {fig['label']} | {r['median']:.2f} / {r['min']:.2f} / {r['max']:.2f} "
-                         f"| {fig['bytes_on_disk'] / r['median'] / GB:.2f} | {fig['wall_s']['median']:.2f} "
-                         f"| {fig['bytes_on_disk'] / GB:.2f} GB |")
-    comp = [(k, fig) for k, fig in f.items() if fig["group"] == "compress"]
-    if comp:
-        lines += ["", "| compress | median s (in process) | min / max | MB/s of bf16 source | process s "
-                  "| peak RSS above baseline |", "|---|---:|---:|---:|---:|---:|"]
-        for key, fig in comp:
-            c = fig["compress_s"]
-            lines.append(f"| {fig['label']} | {c['median']:.2f} | {c['min']:.2f} / {c['max']:.2f} "
-                         f"| {fig['throughput_mb_s']:.0f} | {fig['wall_s']['median']:.2f} "
-                         f"| {fig['rss_above_baseline'] / GB:.2f} GB |")
-    fwd = [(k, fig) for k, fig in f.items() if "forward" in fig]
-    if fwd:
-        lines += ["", "| first forward pass (after load, not in load time) | s | logits finite | argmax |",
-                  "|---|---:|:-:|---:|"]
-        for key, fig in fwd:
-            fw = fig["forward"]
-            lines.append(f"| {fig['label']} | {fw.get('forward_s') or 0:.2f} | {fw.get('finite')} "
-                         f"| {fw.get('argmax')} |")
+    lines += _table(
+        "| floor | read s (median / min / max) | GB/s | process s (median) | bytes |", "|---|---:|---:|---:|---:|",
+        [f"| {fig['label']} | {fig['read_s']['median']:.2f} / {fig['read_s']['min']:.2f} / {fig['read_s']['max']:.2f} "
+         f"| {fig['bytes_on_disk'] / fig['read_s']['median'] / GB:.2f} | {fig['wall_s']['median']:.2f} "
+         f"| {fig['bytes_on_disk'] / GB:.2f} GB |" for fig in f.values() if fig["group"] in ("floor", "disk")])
+    lines += _table(
+        "| compress | median s (in process) | min / max | MB/s of bf16 source | process s | peak RSS above baseline |",
+        "|---|---:|---:|---:|---:|---:|",
+        [f"| {fig['label']} | {fig['compress_s']['median']:.2f} | {fig['compress_s']['min']:.2f} / "
+         f"{fig['compress_s']['max']:.2f} | {fig['throughput_mb_s']:.0f} | {fig['wall_s']['median']:.2f} "
+         f"| {fig['rss_above_baseline'] / GB:.2f} GB |" for fig in f.values() if fig["group"] == "compress"])
+    lines += _table(
+        "| first forward pass (after load, not in load time) | s | logits finite | argmax |", "|---|---:|:-:|---:|",
+        [f"| {fig['label']} | {fig['forward'].get('forward_s') or 0:.2f} | {fig['forward'].get('finite')} "
+         f"| {fig['forward'].get('argmax')} |" for fig in f.values() if "forward" in fig])
     if result.get("targets"):
         lines += ["", "| target | measured | limit | met |", "|---|---:|---:|:-:|"]
         for t in result["targets"]:

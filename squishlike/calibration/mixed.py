@@ -10,25 +10,16 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..evaluation import load_text, token_windows
+from ..evaluation import Window
 from .awq import Transform
 from .quantizer import Quantizer
-from .stats import CALIBRATION_TEXT
 
 FISHER_WINDOW = 256  # tokens per gradient sample for the Fisher estimate
 
 
-def fisher_diagonal(
-    model: nn.Module,
-    tokenizer,
-    params: Sequence[str],
-    *,
-    text: str = CALIBRATION_TEXT,
-    window: int = FISHER_WINDOW,
-    max_tokens: int | None = None,
-) -> dict[str, np.ndarray]:
-    """sum over calibration windows of (d NLL_window / d W)^2 for the mlx parameters `params` (float32)."""
-    windows = token_windows(tokenizer, load_text(text), window=window, max_tokens=max_tokens)
+def fisher_diagonal(model: nn.Module, windows: Sequence[Window], params: Sequence[str]) -> dict[str, np.ndarray]:
+    """sum over `windows` (calibration text, FISHER_WINDOW tokens each) of (d NLL_window / d W)^2 for the mlx
+    parameters `params` (float32)."""
     wanted = set(params)
     model.freeze()
     for name, module in model.named_modules():

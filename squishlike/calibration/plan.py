@@ -14,9 +14,9 @@ from mlx.utils import tree_flatten
 from ..compress_options import CompressOptions, choose_scheme, runtime_dtype
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
-from .mixed import fisher_diagonal, plan_mixed
+from .mixed import FISHER_WINDOW, fisher_diagonal, plan_mixed
 from .quantizer import Quantizer
-from .stats import Calibration, collect, log, source_model
+from .stats import Calibration, calibration_windows, collect, log, source_model
 
 
 @dataclass
@@ -128,8 +128,8 @@ def _mixed(model: nn.Module, tokenizer, source: _SourceWeights,
     provider, opts, high = source.provider, source.opts, source.high
     names = [n for n in provider.names()
              if n.endswith(".weight") and source.quantizer_for(n) is not None and len(source.shape(n)) == 2]
-    fisher = fisher_diagonal(model, tokenizer, [provider.mlx_name(n) for n in names],
-                             max_tokens=opts.calibration_max_tokens)
+    windows = calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens, window=FISHER_WINDOW)
+    fisher = fisher_diagonal(model, windows, [provider.mlx_name(n) for n in names])
     chosen, report = plan_mixed(names, source.weight, transform, fisher, provider.mlx_name, source.base, high,
                                 opts.mixed_precision)
     log(f"mixed precision: {len(chosen)} of {len(names)} tensors kept as {high.scheme} "

@@ -41,9 +41,11 @@ def source_model(provider) -> tuple[nn.Module, Any]:
     return prepare_for_eval(model), tokenizer
 
 
-def calibration_windows(tokenizer, text: str = CALIBRATION_TEXT, max_tokens: int | None = None) -> list[Window]:
-    """The token windows the gate's perplexity uses (`evaluate.text_perplexity` defaults)."""
-    return token_windows(tokenizer, load_text(text), window=CALIBRATION_WINDOW, max_tokens=max_tokens)
+def calibration_windows(tokenizer, text: str = CALIBRATION_TEXT, max_tokens: int | None = None,
+                        window: int = CALIBRATION_WINDOW) -> list[Window]:
+    """The calibration text in token windows; by default those the gate's perplexity uses
+    (`evaluation.text_perplexity`'s)."""
+    return token_windows(tokenizer, load_text(text), window=window, max_tokens=max_tokens)
 
 
 @dataclass(frozen=True)
