@@ -29,7 +29,7 @@ class CompressOptions:
     awq: bool = False  # activation-aware per-input-channel scaling, folded into norms / v / up
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
-    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (SPEC §3)
+    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time
     int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
     calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
     calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)

@@ -90,7 +90,7 @@ def machine() -> dict:
 
 
 def targets(f: dict, largest: int = 0) -> list[dict]:
-    """The issue's targets, each with the measured figure and whether it holds."""
+    """The load targets, each with the measured figure and whether it holds."""
     out = []
 
     def add(what, value, limit, ok, unit="x"):

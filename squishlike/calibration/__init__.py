@@ -1,5 +1,5 @@
 """Calibration-driven quantization quality: activation statistics, AWQ-style scaling, mixed precision
-chosen by measured sensitivity, and the INT3 accuracy gate (SPEC §3).
+chosen by measured sensitivity, and the INT3 accuracy gate.
 
 Everything here runs the *source* model in float32 on the shipped calibration text (`data/calibration.txt`, never
 the evaluation prose) and turns what it measures into a `Plan` that `compress` applies tensor by tensor:
@@ -21,7 +21,7 @@ the evaluation prose) and turns what it measures into a `Plan` that `compress` a
   `alpha` is searched per group (0, 0.1, ..., 1, then +-0.05 around the best; 0 is round-to-nearest) to minimise the
   output error ||X W^T - X W_hat^T||^2 on the sampled calibration inputs, W_hat being the weight as the store
   will hold it (same scheme, group size, scale dtype and clip search, dequantized in the runtime dtype) with the
-  scale divided back out. The store keeps the plain INT8/INT4/INT3 of SPEC §3 (scaled weights quantized as usual)
+  scale divided back out. The store keeps the plain INT8/INT4/INT3 schemes (scaled weights quantized as usual)
   and the folded norms as passthrough, so every tier, the 4-bit repack included, is unchanged. Architectures: the
   plain-RMSNorm decoder families (llama, mistral, qwen2, qwen3); others are compressed without scaling and the
   manifest says why.
@@ -34,12 +34,12 @@ the evaluation prose) and turns what it measures into a `Plan` that `compress` a
   exact (passthrough, in the runtime dtype, like the norms). Each chosen entry says so in its manifest "reason".
 
 - The INT3 gate (`int3_gate`): the written (not yet published) store is loaded cold, and its perplexity on the
-  calibration text is compared with the source's; `evaluate.passes_gate` decides with the bound
+  calibration text is compared with the source's; `evaluation.passes_gate` decides with the bound
   `int3_max_ppl_increase` (default +8 %). The verdict goes into manifest["int3_gate"]; the int3 tier is built
   only when it passed.
 
-All forward passes are float32 (`evaluate.prepare_for_eval`); on Linux CPU preload OpenBLAS for speed (the CLI
-does, see `evaluate.reexec_with_openblas`). Cost on SmolLM2-135M, 2 shared cores: calibration pass ~35 s,
+All forward passes are float32 (`evaluation.prepare_for_eval`); on Linux CPU preload OpenBLAS for speed (the CLI
+does, see `openblas.reexec_with_openblas`). Cost on SmolLM2-135M, 2 shared cores: calibration pass ~35 s,
 AWQ search ~30 s, Fisher pass ~1-2 min, gate ~35 s.
 """
 
