@@ -6,16 +6,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..compress_options import CompressOptions
 from ..evaluation import passes_gate, perplexity, prepare_for_eval
 from ..formats.npydir import MANIFEST, NpyDir
 from ..model import assemble
+from ..provider import WeightProvider
 from ..storage import read_json, write_json
 from ..tiers import load_weights
 from .plan import Plan
 from .stats import CALIBRATION_TEXT, calibration_windows, log, source_model
 
 
-def int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, Any]:
+def int3_gate(provider: WeightProvider, store_dir: Path, opts: CompressOptions, plan: Plan | None) -> dict[str, Any]:
     """Perplexity of the written 3-bit store (loaded cold) and of the source on the calibration text; the verdict.
 
     Returns the manifest's "int3_gate" record: passed, candidate_ppl, reference_ppl, increase, bound, text,
@@ -60,7 +62,9 @@ def int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, A
     return record
 
 
-def write_int3_gate(provider, store_dir: Path, opts, plan: Plan | None) -> dict[str, Any]:
+def write_int3_gate(
+    provider: WeightProvider, store_dir: Path, opts: CompressOptions, plan: Plan | None
+) -> dict[str, Any]:
     """Run the gate on the unpublished store at `store_dir` and record it as manifest["int3_gate"] (atomically,
     before compress publishes the directory)."""
     record = int3_gate(provider, Path(store_dir), opts, plan)

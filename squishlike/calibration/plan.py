@@ -12,6 +12,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..compress_options import CompressOptions, choose_scheme, runtime_dtype
+from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
 from .mixed import FISHER_WINDOW, fisher_diagonal, plan_mixed
@@ -70,7 +71,7 @@ class _SourceWeights:
         return self.base if scheme == self.opts.format else None
 
 
-def prepare(provider, opts: CompressOptions) -> Plan:
+def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:
     """The calibration plan for `compress` with options `opts`, for a compress that asks for one.
 
     Runs the source model once on the calibration text (the reference perplexity the INT3 gate uses), then what

@@ -24,6 +24,7 @@ from ..evaluation import (
     window_logprobs,
 )
 from ..model import provider_model
+from ..provider import WeightProvider
 
 CALIBRATION_TEXT = "calibration"
 CALIBRATION_WINDOW = DEFAULT_WINDOW  # the gate's windows: the whole calibration text, 1024 tokens at a time
@@ -34,7 +35,7 @@ def log(message: str) -> None:
     print(f"calibrate: {message}", file=sys.stderr, flush=True)
 
 
-def source_model(provider) -> tuple[nn.Module, Any]:
+def source_model(provider: WeightProvider) -> tuple[nn.Module, Any]:
     """The provider's model as mlx_lm builds it (what `squishlike.load` gives for a non-npy-dir source), in
     float32, and its tokenizer."""
     model, tokenizer, _ = provider_model(provider)
