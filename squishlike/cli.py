@@ -235,18 +235,21 @@ def add_export(sub) -> None:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="load-time benchmark: every tier against mlx_lm.load, warm and cold",
-                       description="Time whole fresh processes loading a model with mlx_lm.load and with each "
-                       "squishlike tier, warm and with evicted pages, beside the memory and disk floors; print "
-                       "medians, ratios and peak RSS as a Markdown table (and JSON / a PNG chart).")
+    summary = "load-time benchmark: every tier against mlx_lm.load, warm and cold"
     try:  # the benchmark is a harness beside the package (benchmarks/loadbench), not part of an installed wheel
         from benchmarks.loadbench import add_arguments, run
     except ModuleNotFoundError as e:
         if e.name not in ("benchmarks", "benchmarks.loadbench"):
             raise
-        p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        # every argument, options and --help included, is taken as is: the answer is the same for all of them
+        p = sub.add_parser("bench", help=summary, prefix_chars="+", add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(run=run_bench_unavailable)
         return
+    p = sub.add_parser("bench", help=summary,
+                       description="Time whole fresh processes loading a model with mlx_lm.load and with each "
+                       "squishlike tier, warm and with evicted pages, beside the memory and disk floors; print "
+                       "medians, ratios and peak RSS as a Markdown table (and JSON / a PNG chart).")
     add_arguments(p)
     p.set_defaults(run=run)
 
