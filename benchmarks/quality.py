@@ -82,7 +82,7 @@ def evaluate_rows(args) -> list[dict]:
     import mlx.core as mx
 
     import squishlike
-    from squishlike import evaluate as ev
+    from squishlike import evaluation as ev
     from squishlike.default_model import default_model_path
 
     gguf = default_model_path()
@@ -95,7 +95,7 @@ def evaluate_rows(args) -> list[dict]:
         print(f"== building {label}", file=sys.stderr, flush=True)
         built[label] = build(label, kind, options, gguf, workdir)
 
-    reference, tokenizer = ev._load_float32(gguf)
+    reference, tokenizer = ev.load_float32(gguf)
     windows = ev.token_windows(tokenizer, ev.load_text("eval_prose"), max_tokens=args.max_tokens)
     cache = ev.ReferenceCache(reference, windows)
     prompts = ev.load_prompts()
@@ -139,7 +139,7 @@ def evaluate_rows(args) -> list[dict]:
 
 
 def markdown(results: list[dict], args) -> str:
-    from squishlike.evaluate import load_prompts
+    from squishlike.evaluation import load_prompts
 
     ref = next((r for r in results if r["kind"] == "reference"), None)
     mlx = next((r for r in results if r["kind"] == "mlx"), None)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
     args = parser.parse_args(argv)
 
-    from squishlike.evaluate import find_openblas
+    from squishlike.openblas import find_openblas
 
     blas = find_openblas()
     if blas and blas not in os.environ.get("LD_PRELOAD", "") and not os.environ.get("SQUISHLIKE_NO_OPENBLAS"):

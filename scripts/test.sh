@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
 cargo test --quiet --manifest-path rust_quant/Cargo.toml
-blas=$(.venv/bin/python -c "from squishlike.evaluate import find_openblas; print(find_openblas() or '')")
+blas=$(.venv/bin/python -c "from squishlike.openblas import find_openblas; print(find_openblas() or '')")
 LD_PRELOAD="${blas}${LD_PRELOAD:+:$LD_PRELOAD}" .venv/bin/python -m pytest -q "$@"

@@ -7,7 +7,6 @@ nothing that looks like a model. Two runs aimed at one OUT: the second fails at 
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import math
@@ -16,18 +15,18 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from . import quant
+from .compress_options import CompressOptions, choose_scheme, runtime_dtype
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import OutputExistsError, QuantizationError
 from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
 from .npydir.manifest import encode_key
-from .quant.schemes import QUANTIZED, SCHEMES, rows_cols
+from .quant.schemes import SCHEMES, rows_cols
 from .hub import resolve_local
 from .provider import WeightProvider
 from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, write_json
@@ -35,52 +34,9 @@ from .io.checksum import file_record
 from .io.lock import exclusive
 from .io.npy import write_npy_stream
 
-FORMATS = QUANTIZED
-# The group sizes compress offers. INT8 is per row and ignores it; INT3 offers only the sizes its accuracy gate
-# is specified for, though its kernels (like mx.quantize) also take 128.
-GROUP_SIZES = {"int8": SCHEMES["int4"].group_sizes, "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
-ALL_TIERS = ("mlx", "finalized", "int4", "int3")
-
 # A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
 ERROR_LIMITS = {"int8": 0.05, "int4": 0.25, "int3": 0.45}
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
-
-
-@dataclass
-class CompressOptions:
-    format: str = "int8"
-    group_size: int = 64
-    passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
-    quantize_embeddings: bool = False
-    clip_search: bool = False
-    dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
-    tiers: tuple[str, ...] | None = None  # cache policy; default: mlx + the store's quantized tier
-    force: bool = False
-    extra_manifest: dict = field(default_factory=dict)
-    # Calibration (squishlike/calibrate.py; each runs the source model in float32 on data/calibration.txt):
-    awq: bool = False  # activation-aware per-input-channel scaling, folded into norms / v / up
-    mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
-    # extra-size fraction of the quantized tensors' bytes
-    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
-    int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
-    calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
-    calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
-
-    def validate(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
-        if self.group_size not in GROUP_SIZES[self.format]:
-            raise ValueError(
-                f"group size {self.group_size} is not valid for {self.format}; "
-                f"choose one of {', '.join(map(str, GROUP_SIZES[self.format]))}"
-            )
-        if self.dtype is not None and self.dtype not in NP_STORAGE:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(NP_STORAGE)}")
-        if not 0 <= self.mixed_precision <= 1 or self.calibration_samples < 1:
-            raise ValueError("mixed_precision must be in [0, 1] and calibration_samples at least 1")
-        unknown = set(self.tiers or ()) - set(ALL_TIERS)
-        if unknown:
-            raise ValueError(f"unknown tier(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_TIERS)}")
 
 
 def compress(
@@ -159,14 +115,14 @@ def compress(
             remove_stale_temps(out.parent, out.name)  # what a killed run into OUT left (we hold its lock)
             tmp = make_temp_dir(out)
             try:
-                from . import calibrate
-
-                plan = calibrate.prepare(provider, opts, choose_scheme)  # None unless AWQ, mixed or INT3 ask
+                plan = _calibration_plan(provider, opts)
                 if plan is not None:
                     opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
                 summary = _write_store(provider, tmp, opts, plan)
                 if opts.format == "int3":
-                    calibrate.write_int3_gate(provider, tmp, opts, plan)  # re-writes the manifest, atomically
+                    from .calibration import write_int3_gate
+
+                    write_int3_gate(provider, tmp, opts, plan)  # re-writes the manifest, atomically
                 publish_dir(tmp, out)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -181,6 +137,16 @@ def compress(
     return out
 
 
+def _calibration_plan(provider: WeightProvider, opts: CompressOptions):
+    """The calibration plan when the options ask for one (AWQ, mixed precision, the INT3 gate), else None;
+    calibration runs the source model, so it is imported only then."""
+    if not (opts.awq or opts.mixed_precision > 0 or (opts.format == "int3" and opts.int3_gate)):
+        return None
+    from .calibration import prepare
+
+    return prepare(provider, opts)
+
+
 def _check_output(out: Path, force: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
@@ -189,28 +155,6 @@ def _check_output(out: Path, force: bool) -> None:
     if not is_npydir(out):
         # --force replaces only what squishlike made; it never deletes a stranger's files.
         raise OutputExistsError(f"{out}: exists and is not a squishlike npy-dir; refusing to replace it")
-
-
-def runtime_dtype(provider: WeightProvider) -> str:
-    """The dtype the model runs in: the source's own float dtype, or bfloat16 when the source is quantized."""
-    infos = provider.reader.tensors()
-    largest = max(infos.values(), key=lambda t: t.nbytes)
-    return largest.dtype if largest.dtype in NP_STORAGE else "bfloat16"
-
-
-def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions) -> tuple[str, str]:
-    """(scheme, reason) for one tensor, by rule. The reason is recorded in the manifest."""
-    if any(fnmatch.fnmatchcase(name, p) for p in opts.passthrough):
-        return "passthrough", "matches --passthrough"
-    if len(shape) < 2 or not name.endswith(".weight"):
-        return "passthrough", "1-D tensor (norm or bias)"
-    if not opts.quantize_embeddings and name.split(".")[0] in ("token_embedding", "output", "position_embedding"):
-        return "passthrough", "embedding / lm_head (pass --quantize-embeddings to quantize)"
-    cols = shape[-1]
-    need = 32 if opts.format == "int3" else opts.group_size
-    if cols % opts.group_size or cols % need:
-        return "passthrough", f"{cols} columns do not split into groups of {opts.group_size}"
-    return opts.format, "linear weight"
 
 
 def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, scale_dtype: str) -> dict:

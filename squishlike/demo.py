@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .bench import measure_load
+from .loadtime import measure_load
 from .compressor import compress
 from .default_model import default_model_path
 from .exporter import export
@@ -31,7 +31,7 @@ def run_demo(workdir: Path, repeats: int = 3) -> list[dict]:
         runs = [measure_load(path, loader=loader, tier=tier) for _ in range(n)]
         walls = [r["wall_s"] for r in runs]
         rows.append({"what": label, "median_s": statistics.median(walls), "min_s": min(walls), "runs": n,
-                     "rss_mb": max(r["rss_peak_bytes"] for r in runs) / 1e6})
+                     "rss_mb": max(r["rss_peak"] for r in runs) / 1e6})
         print(f"  {label:52} {statistics.median(walls):7.2f} s")
 
     print("load times, each a fresh process (interpreter + imports + load + eval):")

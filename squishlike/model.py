@@ -1,4 +1,6 @@
 """Weights (by mlx_lm parameter name) + config.json dict -> an mlx_lm model; side files -> its tokenizer.
+`assemble` builds both as mlx_lm.load does; `provider_model` runs the whole pipeline for any format the provider
+reads (weights, side files written to a temporary directory, config, model, tokenizer).
 
 This mirrors `mlx_lm.utils.load_model` step for step (model class from `model_type`, the model's own
 `sanitize`, `nn.quantize` where the weights carry `.scales`, `load_weights`, eager eval) but takes the weights
@@ -8,15 +10,19 @@ from whichever tier or format produced them instead of globbing `model*.safetens
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
+from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_tokenizer
 
-from .errors import UnsupportedArchitectureError
+from .errors import FormatError, SquishError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from .provider import WeightProvider
 
 
 def model_classes(
@@ -91,3 +97,57 @@ def build_tokenizer(
 ) -> TokenizerWrapper:
     """mlx_lm's TokenizerWrapper from a directory holding tokenizer.json / tokenizer_config.json."""
     return load_tokenizer(Path(side_files_dir), tokenizer_config or {}, eos_token_ids=eos_token_ids)
+
+
+def assemble(
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    side_files: Path,
+    source: str | Path,
+    *,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    lazy: bool = False,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """(model, tokenizer) as mlx_lm.load builds them: the model first (model_config may set the eos ids the
+    tokenizer then takes from config). `source`: the model the user named (errors name it, and a trusted
+    `model_file` is looked up beside it)."""
+    if model_config:
+        config.update(model_config)
+    model_dir = Path(source) if Path(source).is_dir() else side_files
+    try:
+        model = build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code)
+    except SquishError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:
+        # mlx_lm's own complaint (a weight of the wrong shape, a config it cannot build), with the model's name
+        raise FormatError(source, f"config and weights do not make a {config.get('model_type')} model: {e}") from e
+    try:
+        # trust_remote_code passed explicitly: transformers would otherwise *ask* on a terminal whether to run a
+        # tokenizer_config.json's custom code (auto_map); the answer is the caller's, and it defaults to no.
+        tokenizer = build_tokenizer(side_files, {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})},
+                                    eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        raise FormatError(source, f"cannot load its tokenizer files: {type(e).__name__}: {e}") from e
+    return model, tokenizer
+
+
+def provider_model(
+    provider: WeightProvider,
+    *,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    lazy: bool = False,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
+    """(model, tokenizer, config) of any model the provider reads, its side files (config, tokenizer) written to a
+    temporary directory for mlx_lm to read."""
+    weights = {provider.mlx_name(n): provider.get(n) for n in provider.names()}
+    with tempfile.TemporaryDirectory(prefix="squishlike-side-") as side_files:
+        provider.write_side_files(Path(side_files))
+        config = load_config(Path(side_files))
+        model, tokenizer = assemble(config, weights, Path(side_files), provider.reader.path,
+                                    tokenizer_config=tokenizer_config, model_config=model_config, lazy=lazy,
+                                    trust_remote_code=trust_remote_code)
+    return model, tokenizer, config

@@ -1,4 +1,4 @@
-"""Tests for squishlike.evaluate on tiny random-weight mlx_lm llama models and a tokenizer trained in the test."""
+"""Tests for squishlike.evaluation on tiny random-weight mlx_lm llama models and a tokenizer trained in the test."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from squishlike import evaluate as ev
+from squishlike import evaluation as ev
+from squishlike import openblas
 
 VOCAB = 384
 CHAT_TEMPLATE = (
@@ -202,7 +203,7 @@ def test_compare_with_perturbed_model(model, windows):
     assert worse["top1_agreement"] < result["top1_agreement"] and worse["kl_mean"] > result["kl_mean"]
     # KL against a numpy computation on the first window.
     w = windows[0]
-    lp = [np.asarray(ev._window_logprobs(m, w)[0], dtype=np.float64) for m in (other, model)]
+    lp = [np.asarray(ev.window_logprobs(m, w)[0], dtype=np.float64) for m in (other, model)]
     kl_np = (np.exp(lp[1]) * (lp[1] - lp[0])).sum(-1)
     one = ev.compare(other, model, [w])
     assert one["kl_mean"] == pytest.approx(kl_np.mean(), rel=1e-3)
@@ -287,9 +288,9 @@ def test_evaluate_end_to_end(tmp_path, model, tokenizer, capsys):
         save_model(d, m)
         save_config({k: v for k, v in vars(m.args).items() if v is not None}, d / "config.json")
         tokenizer._tokenizer.save_pretrained(d)
-    result = ev.evaluate(tmp_path / "a", max_tokens=300, window=128, json=True)
-    printed = json.loads(capsys.readouterr().out)
-    assert printed["perplexity"] == result["perplexity"] and result["reference"] is None
+    result = ev.evaluate(tmp_path / "a", max_tokens=300, window=128)
+    assert capsys.readouterr().out == ""  # the caller prints the result (`squishlike eval` as text or JSON)
+    assert json.loads(json.dumps(result))["perplexity"] == result["perplexity"] and result["reference"] is None
     assert result["perplexity"] == pytest.approx(ev.perplexity(model, ev.token_windows(
         tokenizer, ev.load_text(), window=128, max_tokens=300)), rel=1e-5)
 
@@ -307,21 +308,21 @@ def test_evaluate_end_to_end(tmp_path, model, tokenizer, capsys):
 
 def test_reexec_with_openblas(monkeypatch):
     calls = []
-    monkeypatch.setattr(ev.os, "execve", lambda *args: calls.append(args))
-    monkeypatch.setattr(ev, "find_openblas", lambda: "/lib/libopenblas.so.0")
+    monkeypatch.setattr(openblas.os, "execve", lambda *args: calls.append(args))
+    monkeypatch.setattr(openblas, "find_openblas", lambda: "/lib/libopenblas.so.0")
     monkeypatch.delenv("SQUISHLIKE_NO_OPENBLAS", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/lib/other.so")
-    ev.reexec_with_openblas(["eval", "m"])
+    openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1
     exe, argv, env = calls[0]
     assert argv[1:] == ["-m", "squishlike", "eval", "m"]
     assert env["LD_PRELOAD"] == "/lib/libopenblas.so.0:/lib/other.so" and env["SQUISHLIKE_NO_OPENBLAS"] == "1"
     monkeypatch.setenv("LD_PRELOAD", "/lib/libopenblas.so.0")  # already preloaded: nothing to do
-    ev.reexec_with_openblas(["eval", "m"])
+    openblas.reexec_with_openblas(["eval", "m"])
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.setenv("SQUISHLIKE_NO_OPENBLAS", "1")  # opted out (or already restarted once)
-    ev.reexec_with_openblas(["eval", "m"])
-    monkeypatch.setattr(ev, "find_openblas", lambda: None)
+    openblas.reexec_with_openblas(["eval", "m"])
+    monkeypatch.setattr(openblas, "find_openblas", lambda: None)
     monkeypatch.delenv("SQUISHLIKE_NO_OPENBLAS")
-    ev.reexec_with_openblas(["eval", "m"])
+    openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1

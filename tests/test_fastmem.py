@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import squishlike
-from squishlike.bench import evict
+from benchmarks.loadbench.pagecache import evict
 from squishlike.tiers import fastmem
 
 TIERS = ("int4", "mlx", "finalized", "cold")
@@ -29,20 +29,26 @@ def int4_store(tiny_llama, tmp_path):
 # heap lets it put a guard right behind that block, which a long-lived heap (pytest's, or one that already holds
 # another model) often does not; then the load simply runs without it.
 _DIGESTS = """
-import hashlib, json, sys
+import hashlib, json, logging, sys
 import mlx.core as mx
 import numpy as np
 import squishlike
 from mlx.utils import tree_flatten
 from squishlike.tiers import fastmem
 fastmem.MIN_ARENA = 0  # the tiny model is far below the size where the arena pays: take that path anyway
+arena = {}
+class ArenaLog(logging.Handler):  # the arena's figures, from squishlike's debug log
+    def emit(self, record):
+        arena.update(getattr(record, "load_phases", {}).get("populate", {}))
+logging.getLogger("squishlike").addHandler(ArenaLog())
+logging.getLogger("squishlike").setLevel(logging.DEBUG)
 model, tokenizer = squishlike.load(sys.argv[1], tier=sys.argv[2])
 h = hashlib.sha256()
 for name, value in sorted(tree_flatten(model.parameters())):
     raw = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value  # NumPy has no bfloat16
     h.update(name.encode() + str(value.dtype).encode() + np.array(raw).tobytes())
 print(json.dumps({"weights": h.hexdigest(), "tokens": tokenizer.encode("The capital of France"),
-                  "arena_bytes": fastmem.last_populate.get("bytes", 0), "pending": fastmem.reserved()}))
+                  "arena_bytes": arena.get("bytes", 0), "pending": fastmem.reserved()}))
 """
 
 

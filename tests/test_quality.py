@@ -18,7 +18,7 @@ from test_tiers import ALL, TOKENS
 from tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logits, make_hf_model
 
 import squishlike
-from squishlike import calibrate
+from squishlike import calibration as calibrate
 from squishlike.errors import TierNotReadyError
 from squishlike.npydir import NpyDir
 from squishlike.info import inspect_model

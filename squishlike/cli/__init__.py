@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "fast_blas", False):  # float32 forward passes: 15x faster with the system OpenBLAS
-        from ..evaluate import reexec_with_openblas
+        from ..openblas import reexec_with_openblas
 
         reexec_with_openblas(argv)
     try:

@@ -22,7 +22,7 @@ class _Calibrates(argparse.Action):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..compressor import ALL_TIERS, FORMATS
+    from ..compress_options import ALL_TIERS, FORMATS
 
     parser.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
     parser.add_argument("-o", "--output", required=True, type=Path,

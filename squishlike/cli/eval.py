@@ -19,7 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..evaluate import evaluate
+    import json
 
-    evaluate(args.path, args.reference, max_tokens=args.max_tokens, json=args.json)
+    from ..evaluation import evaluate, format_report
+
+    result = evaluate(args.path, args.reference, max_tokens=args.max_tokens)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0

@@ -1,45 +1,20 @@
-"""Model evaluation: perplexity on shipped prose and agreement with a reference model.
+"""Pure metrics of a model on token windows, all in float32: perplexity, teacher-forced top-1 agreement and KL
+against a reference, greedy-generation agreement, and the INT3 accuracy gate's verdict.
 
-What `squishlike eval PATH [--reference REF] [--json]` reports:
-
-- perplexity on `data/eval_prose.txt` (original prose that ships with the project);
-- against a reference model (default: the source recorded in the manifest), on the same token windows:
-  the reference's perplexity, teacher-forced top-1 agreement (fraction of predicted positions where the argmax
-  of both models is the same token), and the mean KL(reference || model) of the next-token distributions;
-- greedy-generation agreement over `data/eval_prompts.json` (see `greedy_agreement`).
-
-All metrics are computed in float32: logits are cast to float32 before the log-softmax, and `evaluate`
-dequantizes quantized layers and casts floating-point parameters to float32 (`prepare_for_eval`): bf16 and
-quantized matmuls are very slow on CPU (docs/design.md §6.1).
-
-Speed on Linux CPU: the `mlx[cpu]` wheel links a slow reference BLAS. Preloading Debian's OpenBLAS
-(`apt-get install libopenblas0-pthread`, then
-`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0`) makes float32 matmuls an order of
-magnitude faster (docs/design.md §6.1); `find_openblas()` returns that
-path when it exists, and `reexec_with_openblas()` restarts the CLI with it preloaded (it must be loaded at start).
+Logits are cast to float32 before the log-softmax; `prepare_for_eval` dequantizes quantized layers and casts
+floating-point parameters to float32, because bf16 and quantized matmuls are very slow on CPU.
 """
 
 from __future__ import annotations
 
-import importlib.resources
-import json as jsonlib
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-# Shipped texts, by name (files in squishlike/data/).
-DATA_FILES: dict[str, str] = {
-    "eval_prose": "eval_prose.txt",
-    "calibration": "calibration.txt",
-    "eval_prompts": "eval_prompts.json",
-}
+from .data import load_text
 
 # Windowing. Non-overlapping windows of 1024 tokens: every token is fed through the model exactly once, so the
 # cost is linear in the text length, and 1024 tokens of context is long enough that perplexity is close to what
@@ -55,39 +30,6 @@ DEFAULT_GEN_TOKENS = 32
 
 # The INT3 accuracy gate (docs/format.md §6.4): candidate perplexity at most +8 % over the reference's.
 GATE_MAX_INCREASE = 0.08
-
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Shipped data
-# ----------------------------------------------------------------------------------------------------------
-
-
-def load_text(name: str = "eval_prose") -> str:
-    """The text of a shipped data file: "eval_prose", "calibration" or "eval_prompts" (raw JSON)."""
-    if name not in DATA_FILES:
-        raise ValueError(f"unknown data file {name!r}; known: {sorted(DATA_FILES)}")
-    resource = importlib.resources.files("squishlike").joinpath("data", DATA_FILES[name])
-    return resource.read_text(encoding="utf-8")
-
-
-def load_prompts() -> list[str]:
-    """The shipped prompts for greedy-generation agreement."""
-    prompts = jsonlib.loads(load_text("eval_prompts"))
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise ValueError("eval_prompts.json must be a JSON list of strings")
-    return prompts
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Token windows
-# ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -160,7 +102,7 @@ def _as_windows(windows: Sequence[Window] | Sequence[Sequence[int]]) -> list[Win
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _window_logprobs(model: nn.Module, window: Window) -> tuple[mx.array, mx.array]:
+def window_logprobs(model: nn.Module, window: Window) -> tuple[mx.array, mx.array]:
     """Float32 log-probabilities [n_scored, vocab] at the scored positions, and the target ids [n_scored]."""
     inputs = mx.array(window.tokens[:-1], dtype=mx.int32)[None]
     logits = model(inputs)[0].astype(mx.float32)
@@ -170,7 +112,7 @@ def _window_logprobs(model: nn.Module, window: Window) -> tuple[mx.array, mx.arr
     return logprobs, targets
 
 
-def _nll_sum(logprobs: mx.array, targets: mx.array) -> mx.array:
+def nll_sum(logprobs: mx.array, targets: mx.array) -> mx.array:
     return -mx.take_along_axis(logprobs, targets[:, None], axis=-1).sum()
 
 
@@ -180,8 +122,8 @@ def perplexity(model: nn.Module, tokens_windows: Sequence[Window] | Sequence[Seq
     for window in _as_windows(tokens_windows):
         if window.n_scored == 0:
             continue
-        logprobs, targets = _window_logprobs(model, window)
-        nll = _nll_sum(logprobs, targets)
+        logprobs, targets = window_logprobs(model, window)
+        nll = nll_sum(logprobs, targets)
         mx.eval(nll)
         total += float(nll.item())
         count += window.n_scored
@@ -201,7 +143,7 @@ class ReferenceCache:
         self.windows = [w for w in _as_windows(windows) if w.n_scored > 0]
         self.logprobs: list[mx.array] = []
         for window in self.windows:
-            logprobs, _ = _window_logprobs(reference, window)
+            logprobs, _ = window_logprobs(reference, window)
             mx.eval(logprobs)
             self.logprobs.append(logprobs)
 
@@ -226,14 +168,14 @@ def compare(
     if isinstance(reference, ReferenceCache) and reference.windows != scored:
         raise ValueError("the reference cache was computed on other windows")
     for i, window in enumerate(scored):
-        lp_model, targets = _window_logprobs(model, window)
+        lp_model, targets = window_logprobs(model, window)
         if isinstance(reference, ReferenceCache):
             lp_ref = reference.logprobs[i]
         else:
-            lp_ref, _ = _window_logprobs(reference, window)
+            lp_ref, _ = window_logprobs(reference, window)
         kl = (mx.exp(lp_ref) * (lp_ref - lp_model)).sum(axis=-1)
         same = (mx.argmax(lp_model, axis=-1) == mx.argmax(lp_ref, axis=-1)).sum()
-        stats = [_nll_sum(lp_model, targets), _nll_sum(lp_ref, targets), kl.sum(), kl.max(), same]
+        stats = [nll_sum(lp_model, targets), nll_sum(lp_ref, targets), kl.sum(), kl.max(), same]
         mx.eval(stats)
         nll_model += float(stats[0].item())
         nll_ref += float(stats[1].item())
@@ -404,61 +346,6 @@ def passes_gate(candidate_ppl: float, reference_ppl: float, max_increase: float 
     return candidate_ppl <= reference_ppl * (1.0 + max_increase)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Whole evaluation
-# ----------------------------------------------------------------------------------------------------------
-
-
-def find_openblas() -> str | None:
-    """Path of a system OpenBLAS library worth LD_PRELOADing under `mlx[cpu]` on Linux, or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    for candidate in OPENBLAS_CANDIDATES:
-        if os.path.exists(candidate):
-            return candidate
-    return None
-
-
-def reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
-    """Restart this process with OpenBLAS preloaded, when that helps and has not been done yet.
-
-    For the CLI to call first thing (before mlx does any work): on Linux with the CPU backend and a system
-    OpenBLAS (see `find_openblas`), re-executes `python -m squishlike ARGS` with LD_PRELOAD set. Does nothing when
-    the library is missing, it is already preloaded, or SQUISHLIKE_NO_OPENBLAS is set. Returns only if it
-    did nothing.
-    """
-    library = find_openblas()
-    preload = os.environ.get("LD_PRELOAD", "")
-    if library is None or library in preload.split(":") or os.environ.get("SQUISHLIKE_NO_OPENBLAS"):
-        return
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return
-    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (library, preload) if p), SQUISHLIKE_NO_OPENBLAS="1")
-    args = list(sys.argv[1:] if argv is None else argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "squishlike", *args], env)
-
-
-def reference_from_manifest(model_path: str | Path) -> str | None:
-    """The source model recorded in `model_path`/manifest.json, if there is one and it still exists."""
-    manifest_path = Path(model_path) / "manifest.json"
-    if not manifest_path.is_file():
-        return None
-    manifest = jsonlib.loads(manifest_path.read_text(encoding="utf-8"))
-    source = manifest.get("source")
-    candidates: list[Any] = []
-    if isinstance(source, str):
-        candidates.append(source)
-    elif isinstance(source, dict):
-        candidates += [source.get(k) for k in ("path", "source", "model", "location", "repo")]
-    candidates.append(manifest.get("source_path"))
-    for candidate in candidates:
-        if isinstance(candidate, str) and candidate and Path(candidate).exists():
-            return candidate
-    return None
-
-
 def prepare_for_eval(model: nn.Module) -> nn.Module:
     """Make `model` fast to evaluate on CPU without changing what it computes beyond float rounding:
     quantized layers (MLX 4-bit/3-bit tiers) are dequantized to plain layers, then every floating-point
@@ -470,119 +357,3 @@ def prepare_for_eval(model: nn.Module) -> nn.Module:
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
-
-
-def _load_float32(path: str | Path) -> tuple[nn.Module, Any]:
-    """Load a model and its tokenizer, prepared for evaluation (dequantized, float32)."""
-    from .loader import load
-
-    model, tokenizer = load(path)
-    return prepare_for_eval(model), tokenizer
-
-
-def _log(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(message, file=sys.stderr, flush=True)
-
-
-def evaluate(
-    model_path: str | Path,
-    reference_path: str | Path | None = None,
-    *,
-    max_tokens: int | None = DEFAULT_MAX_TOKENS,
-    window: int = DEFAULT_WINDOW,
-    stride: int | None = None,
-    gen_tokens: int = DEFAULT_GEN_TOKENS,
-    prompts: Sequence[str] | None = None,
-    text: str | None = None,
-    json: bool = False,
-    quiet: bool = False,
-    loader: Callable[[str | Path], tuple[nn.Module, Any]] = _load_float32,
-) -> dict[str, Any]:
-    """Evaluate the model at `model_path`, against `reference_path` (default: the manifest's source) if any.
-
-    Perplexity is measured on the shipped eval prose (or `text`), its first `max_tokens` tokens, in windows of
-    `window` tokens; the reference comparison adds reference perplexity, top-1 agreement, mean KL and greedy
-    agreement over the shipped prompts (or `prompts`), `gen_tokens` tokens each. The model's own tokenizer
-    tokenizes everything (the reference must share its vocabulary).
-
-    Prints the result to stdout, as JSON when `json` is true or as a short report otherwise, unless `quiet`;
-    progress goes to stderr. Returns the result as a JSON-serialisable dict.
-    """
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    model, tokenizer = loader(model_path)
-    timings["load_model_s"] = time.perf_counter() - t0
-    _log(f"loaded {model_path} in {timings['load_model_s']:.1f} s", quiet)
-
-    if reference_path is None:
-        reference_path = reference_from_manifest(model_path)
-
-    prose = load_text("eval_prose") if text is None else text
-    windows = token_windows(tokenizer, prose, window=window, stride=stride, max_tokens=max_tokens)
-    result: dict[str, Any] = {
-        "model": str(model_path),
-        "reference": None if reference_path is None else str(reference_path),
-        "text": "eval_prose" if text is None else "custom",
-        "max_tokens": max_tokens,
-        "window": window,
-        "stride": window if stride is None else stride,
-    }
-
-    if reference_path is None:
-        t0 = time.perf_counter()
-        result["perplexity"] = perplexity(model, windows)
-        result["positions"] = sum(w.n_scored for w in windows)
-        result["windows"] = len(windows)
-        timings["perplexity_s"] = time.perf_counter() - t0
-    else:
-        t0 = time.perf_counter()
-        reference, _ = loader(reference_path)
-        timings["load_reference_s"] = time.perf_counter() - t0
-        _log(f"loaded reference {reference_path} in {timings['load_reference_s']:.1f} s", quiet)
-
-        t0 = time.perf_counter()
-        result.update(compare(model, reference, windows))
-        timings["compare_s"] = time.perf_counter() - t0
-        _log(f"teacher-forced comparison in {timings['compare_s']:.1f} s", quiet)
-
-        prompt_list = list(load_prompts() if prompts is None else prompts)
-        t0 = time.perf_counter()
-        ours = greedy_generations(model, tokenizer, prompt_list, gen_tokens)
-        theirs = greedy_generations(reference, tokenizer, prompt_list, gen_tokens)
-        timings["greedy_s"] = time.perf_counter() - t0
-        result["greedy_agreement"] = sequence_agreement(ours, theirs)
-        result["greedy_exact"] = sum(a == b for a, b in zip(ours, theirs))
-        result["greedy_prompts"] = len(prompt_list)
-        result["gen_tokens"] = gen_tokens
-        result["greedy_samples"] = [
-            {"prompt": p, "model": decode_generation(tokenizer, a), "reference": decode_generation(tokenizer, b)}
-            for p, a, b in zip(prompt_list, ours, theirs)
-        ]
-        result["perplexity_increase"] = result["perplexity"] / result["reference_perplexity"] - 1.0
-        _log(f"greedy generation in {timings['greedy_s']:.1f} s", quiet)
-
-    result["timings"] = timings
-    if not quiet:
-        print(jsonlib.dumps(result, indent=2) if json else format_report(result))
-    return result
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """A short human-readable report of an `evaluate` result."""
-    lines = [f"model:      {result['model']}"]
-    lines.append(f"text:       {result['text']}, {result['positions']} scored tokens in {result['windows']} windows")
-    lines.append(f"perplexity: {result['perplexity']:.4f}")
-    if result.get("reference") is not None:
-        increase = result["perplexity"] / result["reference_perplexity"] - 1.0
-        lines += [
-            f"reference:  {result['reference']}",
-            f"reference perplexity: {result['reference_perplexity']:.4f} ({increase:+.2%})",
-            f"top-1 agreement:      {result['top1_agreement']:.4f}",
-            f"mean KL(ref || model): {result['kl_mean']:.6f} nats (max {result['kl_max']:.4f})",
-            f"greedy agreement:     {result['greedy_agreement']:.4f} "
-            f"({result['greedy_exact']}/{result['greedy_prompts']} prompts identical, {result['gen_tokens']} tokens each)",
-        ]
-    else:
-        lines.append("reference:  none (no --reference given and no source recorded in a manifest)")
-    return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""One benchmark run: the plan of figures (`Config`s), run round by round, then written as JSON, Markdown and PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+from squishlike.loadtime import measure_load, run_child
+
+from .models import build_qwen_like, build_smollm_source
+from .pagecache import evict, prime_memory, warm
+from .report import markdown, plot
+from .results import GB, results
+from .stores import all_files, fresh_clone, prepare_store, reset_fresh, size, source_files, tier_files
+
+_REPO = Path(__file__).resolve().parents[2]  # the probes run as `-m benchmarks.loadbench.probes` from here
+
+
+def _probe(args: list[str]) -> dict:
+    """Run a probe (probes.py) in a fresh process, timed as run_child times it."""
+    path = os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH")) if p)
+    return run_child(["-m", "benchmarks.loadbench.probes", *args], env={"PYTHONPATH": path})
+
+
+class Config:
+    """One figure: how to run it once, and what it is compared with."""
+
+    def __init__(self, key: str, label: str, group: str, run, *, files=(), weight_bytes=0, prime=0, evict=(),
+                 before=None, floor=None, disk=None, baseline=None, load=None):
+        self.key, self.label, self.group, self._run = key, label, group, run
+        self.files, self.weight_bytes, self.prime, self.evict = list(files), weight_bytes, prime, list(evict)
+        self.before, self.floor, self.disk, self.baseline, self.load = before, floor, disk, baseline, load
+        self.runs: list[dict] = []
+        self.forward: dict | None = None
+
+    def once(self, prime: bool) -> dict:
+        if self.before is not None:
+            self.before()
+        left = evict(self.evict) if self.evict else None
+        if prime and self.prime:
+            prime_memory(self.prime)
+        report = self._run()
+        if left is not None:
+            report["resident_before"] = left
+        self.runs.append(report)
+        return report
+
+
+WARM_KEYS = ("mlx_lm", "int4", "mlx", "finalized", "cold-tier-int8", "cold-tier-int4")
+QUICK_KEYS = ("mlx_lm", "int4", "mlx", "finalized", "cold-tier-int4")
+
+
+def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, name: str) -> list[Config]:
+    int8 = prepare_store(source, work / f"{name}-int8", "int8", with_finalized=True)
+    int4 = prepare_store(source, work / f"{name}-int4", "int4", with_finalized=False)
+    fresh8 = fresh_clone(int8, work / f"{name}-int8-fresh")
+    fresh4 = fresh_clone(int4, work / f"{name}-int4-fresh")
+    src_files = source_files(source)
+    src_bytes = size(src_files)
+    slack = 256 << 20
+    configs: list[Config] = []
+
+    def load(loader, path, tier=None):
+        return lambda: measure_load(path, loader=loader, tier=tier)
+
+    def floor_of(files, pages="huge"):
+        return lambda: _probe(["floor", *map(str, files), "--pages", pages])
+
+    loads = [
+        ("mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source, None, src_files),
+        ("int4", "squishlike int4 tier", "squishlike", int4, "int4", tier_files(int4, "int4")),
+        ("mlx", "squishlike mlx tier", "squishlike", int8, "mlx", tier_files(int8, "mlx")),
+        ("finalized", "squishlike finalized tier", "squishlike", int8, "finalized", tier_files(int8, "finalized")),
+        ("cold-tier-int8", "squishlike cold tier (int8 store, no build)", "squishlike", int8, "cold",
+         tier_files(int8, "cold")),
+        ("cold-tier-int4", "squishlike cold tier (int4 store, no build)", "squishlike", int4, "cold",
+         tier_files(int4, "cold")),
+    ]
+    loads = [entry for entry in loads if entry[0] in (QUICK_KEYS if quick else WARM_KEYS)]
+    in_memory = {k: src_bytes for k in WARM_KEYS}
+    in_memory["int4"] = size(tier_files(int4, "int4"))
+    for key, label, loader, path, tier, files in loads:
+        configs.append(Config(key, label, "warm", load(loader, path, tier), files=files, weight_bytes=in_memory[key],
+                              prime=in_memory[key] + slack, baseline="mlx_lm", load=(loader, path, tier),
+                              floor=[f"floor-{key}"] + (["floor-4k-mlx"] if key in ("mlx", "mlx_lm") else [])))
+        configs.append(Config(f"floor-{key}", f"memory floor: {label} bytes", "floor", floor_of(files),
+                              files=files, weight_bytes=size(files), prime=size(files) + slack))
+    configs.append(Config("startup", "startup floor: interpreter, import mlx_lm, tokenizer (no weights)", "warm",
+                          lambda: _probe(["startup", str(source)]), baseline="mlx_lm"))
+    if not quick:
+        mlx_files = tier_files(int8, "mlx")
+        configs.append(Config("floor-4k-mlx", "memory floor, 4 KiB pages: mlx tier bytes", "floor",
+                              floor_of(mlx_files, "4k"), files=mlx_files, weight_bytes=src_bytes,
+                              prime=src_bytes + slack))
+    firsts = [("first-int8", "first load, fresh int8 npy-dir (builds the mlx tier)", fresh8),
+              ("first-int4", "first load, fresh int4 npy-dir (builds the mlx + int4 tiers)", fresh4)]
+    for key, label, store in firsts[1:] if quick else firsts:
+        configs.append(Config(key, label, "first", load("squishlike", store), files=tier_files(store, "cold"),
+                              weight_bytes=src_bytes, prime=src_bytes + slack, baseline="mlx_lm",
+                              before=lambda s=store: reset_fresh(s)))
+    if cold:
+        for key, label, loader, path, tier, files in loads:
+            if key == "cold-tier-int8" or (quick and key not in ("mlx_lm", "mlx")):
+                continue
+            configs.append(Config(f"evicted-{key}", f"{label}, evicted", "cold", load(loader, path, tier),
+                                  files=files, weight_bytes=in_memory[key], prime=in_memory[key] + slack,
+                                  evict=all_files(path), disk=f"disk-{key}", baseline="evicted-mlx_lm"))
+            configs.append(Config(f"disk-{key}", f"disk floor: {label} files", "disk",
+                                  lambda f=files: _probe(["disk", *map(str, f)]), files=files, evict=files))
+    if do_compress:
+        for fmt, clip in [("int4", False)] if quick else [("int8", False), ("int4", False), ("int4", True)]:
+            tag = f"{fmt}{'-clip' if clip else ''}"
+            out = work / f"{name}-compress-{tag}"
+            configs.append(Config(
+                f"compress-{tag}", f"compress {fmt}{' + clip search' if clip else ''}", "compress",
+                lambda fmt=fmt, clip=clip, out=out: _probe(
+                    ["compress", str(source), str(out), fmt] + (["--clip"] if clip else [])),
+                files=src_files, weight_bytes=src_bytes))
+    return configs
+
+
+def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False, cold: bool = True,
+                  do_compress: bool = True, prime: bool = False, forward: bool = True, out_dir: Path | None = None,
+                  log=print) -> dict:
+    """Prepare the models and stores under `workdir`, run every figure, write JSON, Markdown and PNG."""
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    if model == "smollm":
+        source, name = build_smollm_source(workdir / "smollm2-135m-bf16"), "smollm2"
+    elif model in ("qwen1.5b", "qwen"):
+        tokenizer = None
+        with contextlib.suppress(FileNotFoundError, ImportError, RuntimeError):
+            tokenizer = build_smollm_source(workdir / "smollm2-135m-bf16")
+        source, name = build_qwen_like(workdir / "qwen2-1.5b-shaped-bf16", tokenizer), "qwen1.5b"
+    else:
+        source, name = Path(model).absolute(), Path(model).name
+        if not source_files(source):
+            raise FileNotFoundError(f"{model}: no model*.safetensors there (or give one of: smollm, qwen1.5b)")
+    log(f"source: {source} ({size(source_files(source)) / GB:.2f} GB); preparing the stores ...")
+    configs = _plan(source, workdir, quick, cold, do_compress, name)
+    for c in configs:
+        if not c.evict:
+            warm(c.files)
+    for group in ("warm", "first", "cold", "compress"):
+        members = [c for c in configs if c.group == group or (group, c.group) in (("warm", "floor"), ("cold", "disk"))]
+        count = 1 if group == "compress" and quick else runs
+        for r in range(count):
+            for c in members:
+                rep = c.once(prime)
+                log(f"  [{group} {r + 1}/{count}] {c.label:62} {rep['wall_s']:7.2f} s")
+    if forward:
+        for c in configs:
+            if c.group == "warm" and c.load is not None:
+                loader, path, tier = c.load
+                c.forward = measure_load(path, loader=loader, tier=tier, forward=True)
+                log(f"  [forward] {c.label:62} {c.forward.get('forward_s', 0):7.2f} s")
+    result = results(configs, source, workdir, name, runs, prime, time.monotonic() - started)
+    out_dir = Path(out_dir or workdir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{name}{'-quick' if quick else ''}"
+    table = markdown(result)
+    chart = plot(result, out_dir / f"{stem}.png")
+    result["outputs"] = {"json": str(out_dir / f"{stem}.json"), "markdown": str(out_dir / f"{stem}.md"),
+                         "chart": str(chart) if chart else None}
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"{stem}.md").write_text(table)
+    log("\n" + table)
+    log(f"wrote {out_dir / (stem + '.json')}, {out_dir / (stem + '.md')}"
+        + (f", {chart}" if chart else " (no chart: matplotlib is not installed; pip install 'squishlike[bench]')"))
+    return result

@@ -1,0 +1,57 @@
+"""Calibration-driven quantization quality: activation statistics, AWQ-style scaling, mixed precision
+chosen by measured sensitivity, and the INT3 accuracy gate.
+
+Everything here runs the *source* model in float32 on the shipped calibration text (`data/calibration.txt`, never
+the evaluation prose) and turns what it measures into a `Plan` that `compress` applies tensor by tensor:
+
+- Activation statistics (`collect`): every decoder layer's linear inputs are recorded through thin wrapper
+  modules: the per-channel mean |x| over all calibration tokens, and up to `samples` evenly spaced input rows.
+  The same forward pass also yields the reference perplexity on the calibration text that the INT3 gate uses.
+
+- AWQ-style scaling (`search_awq`): for each group of linears that read the same input, a per-input-channel scale
+  `s_j = mean|x_j|^alpha` (normalised so that sqrt(max * min) = 1) multiplies the weights' columns and is folded,
+  divided out, into whatever produces that input, so the float model computes exactly the same function:
+
+      group   scaled columns               folded into (divided by s)
+      attn    q, k, v                      attention_norm weight (RMSNorm)
+      o       attention.output             v rows (and v bias); GQA: s is shared by the query heads of a kv head
+      mlp     ffn.gate, ffn.up             ffn_norm weight (RMSNorm)
+      down    ffn.down                     ffn.up rows (and up bias)
+
+  `alpha` is searched per group (0, 0.1, ..., 1, then +-0.05 around the best; 0 is round-to-nearest) to minimise the
+  output error ||X W^T - X W_hat^T||^2 on the sampled calibration inputs, W_hat being the weight as the store
+  will hold it (same scheme, group size, scale dtype and clip search, dequantized in the runtime dtype) with the
+  scale divided back out. The store keeps the plain INT8/INT4/INT3 schemes (scaled weights quantized as usual)
+  and the folded norms as passthrough, so every tier, the 4-bit repack included, is unchanged. Architectures: the
+  plain-RMSNorm decoder families (llama, mistral, qwen2, qwen3); others are compressed without scaling and the
+  manifest says why.
+
+- Mixed precision (`plan_mixed`): a diagonal-Fisher estimate of how much each linear's quantization error costs
+  in calibration loss, `0.5 * sum F * (W - W_hat)^2` with F the sum over calibration windows of the squared
+  gradient of the window's negative log-likelihood. The tensors whose higher-precision version saves the most
+  estimated loss per extra byte are promoted, greedily, until the extra bytes reach `mixed_precision` x the bytes
+  of the quantized tensors at the store's scheme: an INT4/INT3 store keeps them at INT8, an INT8 store keeps them
+  exact (passthrough, in the runtime dtype, like the norms). Each chosen entry says so in its manifest "reason".
+
+- The INT3 gate (`int3_gate`): the written (not yet published) store is loaded cold, and its perplexity on the
+  calibration text is compared with the source's; `evaluation.passes_gate` decides with the bound
+  `int3_max_ppl_increase` (default +8 %). The verdict goes into manifest["int3_gate"]; the int3 tier is built
+  only when it passed.
+
+All forward passes are float32 (`evaluation.prepare_for_eval`); on Linux CPU preload OpenBLAS for speed (the CLI
+does, see `openblas.reexec_with_openblas`). Cost on SmolLM2-135M, 2 shared cores: calibration pass ~35 s,
+AWQ search ~30 s, Fisher pass ~1-2 min, gate ~35 s.
+"""
+
+from .awq import Transform, add_scales, group_scales, scale_groups, search_awq
+from .gate import int3_gate, write_int3_gate
+from .mixed import fisher_diagonal, plan_mixed
+from .plan import Plan, prepare
+from .quantizer import Quantizer
+from .stats import Calibration, ScaleGroup, calibration_windows, collect, source_model
+
+__all__ = [
+    "Calibration", "Plan", "Quantizer", "ScaleGroup", "Transform", "add_scales", "calibration_windows", "collect",
+    "fisher_diagonal", "group_scales", "int3_gate", "plan_mixed", "prepare", "scale_groups", "search_awq",
+    "source_model", "write_int3_gate",
+]

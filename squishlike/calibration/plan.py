@@ -1,0 +1,138 @@
+"""The plan `compress` applies as it streams the tensors: what calibration decided, and how it is decided."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..compress_options import CompressOptions, choose_scheme, runtime_dtype
+from ..provider import WeightProvider
+from ..quant.reference import from_float32, to_float32
+from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
+from .mixed import FISHER_WINDOW, fisher_diagonal, plan_mixed
+from .quantizer import Quantizer
+from .stats import Calibration, calibration_windows, collect, log, source_model
+
+
+@dataclass
+class Plan:
+    """What calibration decided, for `compress` to apply as it streams the tensors."""
+
+    transform: Transform = field(default_factory=Transform)
+    promote: dict[str, str] = field(default_factory=dict)  # name -> scheme
+    reference_ppl: float | None = None
+    record: dict[str, Any] = field(default_factory=dict)  # manifest keys
+    runtime: str = "float32"  # the store's runtime dtype
+
+    def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
+        """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
+        exact by mixed precision is held in the runtime dtype: what the runtime sees, and what the budget counted."""
+        if self.transform.touches(name):
+            array, src_dtype = self.transform.apply(name, to_float32(array, src_dtype)), "float32"
+        if self.promote.get(name) == "passthrough" and src_dtype != self.runtime:
+            array, src_dtype = from_float32(to_float32(array, src_dtype), self.runtime), self.runtime
+        return array, src_dtype
+
+    def scheme(self, name: str, scheme: str, reason: str) -> tuple[str, str]:
+        if scheme != "passthrough" and name in self.promote:
+            kept = self.promote[name]
+            what = "exact (runtime dtype)" if kept == "passthrough" else f"at {kept}"
+            return kept, f"mixed precision: kept {what} (measured sensitivity)"
+        return scheme, reason
+
+    def manifest(self) -> dict[str, Any]:
+        return dict(self.record)
+
+
+class _SourceWeights:
+    """The source model's weights as calibration reads them, and the quantizer the store will use for each."""
+
+    def __init__(self, provider, model: nn.Module, opts: CompressOptions, runtime: str):
+        self.provider, self.opts = provider, opts
+        self.params = dict(tree_flatten(model.parameters()))
+        self.base = Quantizer(opts.format, opts.group_size, runtime, opts.clip_search)
+        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.group_size, runtime)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.params[self.provider.mlx_name(name)].shape)
+
+    def weight(self, name: str) -> np.ndarray:
+        return np.array(self.params[self.provider.mlx_name(name)], dtype=np.float32)
+
+    def quantizer_for(self, name: str) -> Quantizer | None:
+        """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
+        scheme, _ = choose_scheme(name, self.shape(name), self.opts)
+        return self.base if scheme == self.opts.format else None
+
+
+def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:
+    """The calibration plan for `compress` with options `opts`, for a compress that asks for one.
+
+    Runs the source model once on the calibration text (the reference perplexity the INT3 gate uses), then what
+    was asked: AWQ (`opts.awq`, any format), mixed precision (`opts.mixed_precision` > 0: INT4/INT3 stores
+    promote to INT8, INT8 stores keep tensors exact).
+    """
+    started = time.perf_counter()
+    plan = Plan(runtime=opts.dtype or runtime_dtype(provider))
+    model, tokenizer = source_model(provider)
+    source = _SourceWeights(provider, model, opts, plan.runtime)
+    groups, why_not = scale_groups(model, provider) if opts.awq else ([], None)
+    log(f"running the source model in float32 on the calibration text ({provider.reader.path})")
+    calib = collect(model, tokenizer, groups, samples=opts.calibration_samples, max_tokens=opts.calibration_max_tokens)
+    plan.reference_ppl = calib.reference_ppl
+    plan.record["calibration"] = {
+        "text": calib.text,
+        "tokens": calib.tokens,
+        "reference_ppl": round(calib.reference_ppl, 6),
+        "samples": opts.calibration_samples,
+        "max_tokens": opts.calibration_max_tokens,
+    }
+    log(f"calibration pass: {calib.tokens} tokens, perplexity {calib.reference_ppl:.4f}, {calib.seconds:.1f} s")
+    if opts.awq:
+        plan.transform, plan.record["awq"] = _awq(groups, why_not, calib, source)
+    del calib
+    if opts.mixed_precision > 0:
+        plan.promote, plan.record["mixed_precision"] = _mixed(model, tokenizer, source, plan.transform)
+    plan.record["calibration"]["seconds"] = round(time.perf_counter() - started, 1)
+    return plan
+
+
+def _awq(groups: list[ScaleGroup], why_not: str | None, calib: Calibration,
+         source: _SourceWeights) -> tuple[Transform, dict[str, Any]]:
+    """The AWQ transform and its manifest record (not applied, and why, when the architecture has no groups)."""
+    if why_not:
+        warnings.warn(f"AWQ scaling skipped: {why_not}")
+        return Transform(), {"applied": False, "reason": why_not}
+    started = time.perf_counter()
+    transform, report = search_awq(groups, calib, source.weight, source.quantizer_for)
+    mean_alpha = np.mean([r["alpha"] for r in report.values()]) if report else 0.0
+    log(f"AWQ search: {len(report)} groups, mean alpha {mean_alpha:.2f}, {time.perf_counter() - started:.1f} s")
+    return transform, {
+        "applied": True,
+        "method": "per-input-channel s = mean|x|^alpha, alpha grid-searched per group on calibration "
+        "output error; folded into RMSNorm weights, v rows (o) and up rows (down)",
+        "grid": [*AWQ_GRID, "then best +- 0.05"],
+        "groups": report,
+    }
+
+
+def _mixed(model: nn.Module, tokenizer, source: _SourceWeights,
+           transform: Transform) -> tuple[dict[str, str], dict[str, Any]]:
+    """The tensors mixed precision keeps at higher precision (name -> scheme), and its manifest record."""
+    started = time.perf_counter()
+    provider, opts, high = source.provider, source.opts, source.high
+    names = [n for n in provider.names()
+             if n.endswith(".weight") and source.quantizer_for(n) is not None and len(source.shape(n)) == 2]
+    windows = calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens, window=FISHER_WINDOW)
+    fisher = fisher_diagonal(model, windows, [provider.mlx_name(n) for n in names])
+    chosen, report = plan_mixed(names, source.weight, transform, fisher, provider.mlx_name, source.base, high,
+                                opts.mixed_precision)
+    log(f"mixed precision: {len(chosen)} of {len(names)} tensors kept as {high.scheme} "
+        f"(+{report['extra_bytes'] / 1e6:.2f} MB), {time.perf_counter() - started:.1f} s")
+    return {n: high.scheme for n in chosen}, report

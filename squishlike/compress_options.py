@@ -1,0 +1,76 @@
+"""What `compress` is asked to do (`CompressOptions`) and the rules it decides by: the runtime dtype of a store
+and the scheme of each tensor. Calibration reads the same rules to know what compress will do with a tensor."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from .dtypes import NP_STORAGE
+from .provider import WeightProvider
+from .quant.schemes import QUANTIZED, SCHEMES
+
+FORMATS = QUANTIZED
+# The group sizes compress offers. INT8 is per row and ignores it; INT3 offers only the sizes its accuracy gate
+# is specified for, though its kernels (like mx.quantize) also take 128.
+GROUP_SIZES = {"int8": SCHEMES["int4"].group_sizes, "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
+ALL_TIERS = ("mlx", "finalized", "int4", "int3")
+
+
+@dataclass
+class CompressOptions:
+    format: str = "int8"
+    group_size: int = 64
+    passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
+    quantize_embeddings: bool = False
+    clip_search: bool = False
+    dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
+    tiers: tuple[str, ...] | None = None  # cache policy; default: mlx + the store's quantized tier
+    force: bool = False
+    extra_manifest: dict = field(default_factory=dict)
+    # Calibration (squishlike/calibration/; each runs the source model in float32 on data/calibration.txt):
+    awq: bool = False  # activation-aware per-input-channel scaling, folded into norms / v / up
+    mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
+    # extra-size fraction of the quantized tensors' bytes
+    int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
+    int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
+    calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
+    calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
+
+    def validate(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        if self.group_size not in GROUP_SIZES[self.format]:
+            raise ValueError(
+                f"group size {self.group_size} is not valid for {self.format}; "
+                f"choose one of {', '.join(map(str, GROUP_SIZES[self.format]))}"
+            )
+        if self.dtype is not None and self.dtype not in NP_STORAGE:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(NP_STORAGE)}")
+        if not 0 <= self.mixed_precision <= 1 or self.calibration_samples < 1:
+            raise ValueError("mixed_precision must be in [0, 1] and calibration_samples at least 1")
+        unknown = set(self.tiers or ()) - set(ALL_TIERS)
+        if unknown:
+            raise ValueError(f"unknown tier(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_TIERS)}")
+
+
+def runtime_dtype(provider: WeightProvider) -> str:
+    """The dtype the model runs in: the source's own float dtype, or bfloat16 when the source is quantized."""
+    infos = provider.reader.tensors()
+    largest = max(infos.values(), key=lambda t: t.nbytes)
+    return largest.dtype if largest.dtype in NP_STORAGE else "bfloat16"
+
+
+def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions) -> tuple[str, str]:
+    """(scheme, reason) for one tensor, by rule. The reason is recorded in the manifest."""
+    if any(fnmatch.fnmatchcase(name, p) for p in opts.passthrough):
+        return "passthrough", "matches --passthrough"
+    if len(shape) < 2 or not name.endswith(".weight"):
+        return "passthrough", "1-D tensor (norm or bias)"
+    if not opts.quantize_embeddings and name.split(".")[0] in ("token_embedding", "output", "position_embedding"):
+        return "passthrough", "embedding / lm_head (pass --quantize-embeddings to quantize)"
+    cols = shape[-1]
+    need = 32 if opts.format == "int3" else opts.group_size
+    if cols % opts.group_size or cols % need:
+        return "passthrough", f"{cols} columns do not split into groups of {opts.group_size}"
+    return opts.format, "linear weight"

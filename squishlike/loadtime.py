@@ -1,0 +1,153 @@
+"""Load time as a user meets it: each load a whole fresh process (`measure_load`), for `squishlike demo` and the
+load benchmark (benchmarks/loadbench).
+
+A timed load is a child process (`python -m squishlike.loadtime LOADER PATH`): interpreter start, imports, the
+load with the weights evaluated (eager, as mlx_lm.load with lazy=False) and the tokenizer ready. The parent takes
+the time from spawn to the moment the child reports it is ready (CLOCK_MONOTONIC is shared by all processes); the
+child reports its own phases and memory. squishlike's phases come from its debug log (which tier served the
+weights and how long they took, what the fast-memory arena did), mlx_lm's from timing its two load steps. A first
+forward pass is timed separately, after the ready mark, as proof that the weights work. Timing inside one warm
+process would hide the imports and reuse memory, which is not what a user who starts a model sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+LOADERS = ("squishlike", "mlx_lm")
+PROMPT = "The capital of France is"
+
+
+def rss_now() -> int:
+    """This process's resident set size in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS. On Linux VmHWM of /proc/self/status: ru_maxrss of an exec'd child also counts
+    its parent's peak (the kernel carries the old address space's high-water mark across exec)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def run_child(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `python ARGV`, a child that prints a JSON report (its last line) holding `ready_at`, its
+    time.monotonic() when it was ready. Returns the report with wall_s = spawn -> ready, exit_s = spawn -> exit."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    ended = time.monotonic()
+    if done.returncode != 0:
+        raise RuntimeError(f"timed child {' '.join(argv)} failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"wall_s": report.pop("ready_at") - started, "exit_s": ended - started, **report}
+
+
+def measure_load(path: str | Path, *, loader: str = "squishlike", tier: str | None = None, forward: bool = False,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Load `path` in a fresh process; return wall seconds (spawn to model and tokenizer ready), the child's
+    phase timings (import_s, load_s, weights_s, tokenizer_s for mlx_lm, forward_s) and memory (rss_start,
+    rss_after_import, rss_peak bytes)."""
+    if loader not in LOADERS:
+        raise ValueError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
+    argv = ["-m", "squishlike.loadtime", loader, str(path)]
+    return run_child(argv + (["--tier", tier] if tier else []) + (["--forward"] if forward else []), env)
+
+
+# ---------------------------------------------------------------------------------------------- the child
+
+
+class _LoadLog(logging.Handler):
+    """Collects the phases squishlike's debug log reports: the tier and weights_s of a load, the arena."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.phases: dict[str, Any] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.phases.update(getattr(record, "load_phases", {}))
+
+
+def _timed(module, name: str, into: dict, key: str) -> None:
+    """Wrap mlx_lm's `module.name` so that its duration (summed) lands in into[key]."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.monotonic()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into[key] = into.get(key, 0.0) + time.monotonic() - started
+
+    setattr(module, name, wrapper)
+
+
+def _load_in_child(loader: str, path: str, tier: str | None, forward: bool) -> dict[str, Any]:
+    """In the fresh process: import, load eagerly, tokenizer ready; then, apart, one forward pass."""
+    t0 = time.monotonic()
+    rss_start = rss_now()
+    import mlx.core as mx
+
+    phases: dict[str, Any] = {}
+    if loader == "mlx_lm":
+        import mlx_lm.utils as utils
+        from mlx_lm import load
+
+        _timed(utils, "load_model", phases, "weights_s")
+        _timed(utils, "load_tokenizer", phases, "tokenizer_s")
+    else:
+        from squishlike import load
+
+        log = _LoadLog()
+        logger = logging.getLogger("squishlike")
+        logger.addHandler(log)
+        logger.setLevel(logging.DEBUG)
+        phases = log.phases
+    t_import = time.monotonic()
+    rss_import = rss_now()
+    model, tokenizer = load(path) if loader == "mlx_lm" else load(path, tier=tier)
+    t_ready = time.monotonic()
+    report = {"ready_at": t_ready, "import_s": t_import - t0, "load_s": t_ready - t_import, **phases,
+              "rss_start": rss_start, "rss_after_import": rss_import, "rss_peak": peak_rss_bytes()}
+    if forward:
+        tokens = tokenizer.encode(PROMPT)
+        logits = model(mx.array([tokens]))[0, -1].astype(mx.float32)
+        mx.eval(logits)
+        report["forward_s"] = time.monotonic() - t_ready
+        report["forward"] = {"tokens": len(tokens), "finite": bool(mx.isfinite(logits).all().item()),
+                             "argmax": int(mx.argmax(logits).item()),
+                             "logit_norm": float(mx.sqrt(mx.sum(logits * logits)).item())}
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m squishlike.loadtime",
+                                     description="one timed load; prints its report as JSON")
+    parser.add_argument("loader", choices=LOADERS)
+    parser.add_argument("path")
+    parser.add_argument("--tier")
+    parser.add_argument("--forward", action="store_true", help="time a first forward pass after the load")
+    args = parser.parse_args(argv)
+    print(json.dumps(_load_in_child(args.loader, args.path, args.tier, args.forward)))
+
+
+if __name__ == "__main__":
+    main()
