@@ -25,8 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # (distribution, module, attribute path, the parameters squishlike calls or overrides it with)
 PRIVATE_APIS = [
     ("mlx-lm", "mlx_lm.utils", "_get_classes", ["config"]),
-    ("gguf", "gguf", "GGUFReader._get", ["self", "offset", "dtype", "count", "override_order"]),
-    ("gguf", "gguf", "GGUFReader._get_field_parts", ["self", "orig_offs", "raw_type"]),
     (
         "transformers",
         "transformers.integrations.gguf.gguf_tokenizer_mapping",
