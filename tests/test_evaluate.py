@@ -294,8 +294,9 @@ def test_evaluate_end_to_end(tmp_path, model, tokenizer, capsys):
     assert result["perplexity"] == pytest.approx(ev.perplexity(model, ev.token_windows(
         tokenizer, ev.load_text(), window=128, max_tokens=300)), rel=1e-5)
 
-    # The reference defaults to the manifest's source.
-    (tmp_path / "b" / "manifest.json").write_text(json.dumps({"source": {"path": str(tmp_path / "a")}}))
+    # The reference defaults to the source recorded in the manifest, as compress records it.
+    source = {"path": str(tmp_path / "a"), "format": "safetensors", "fingerprint": "0" * 64}
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps({"source": source}))
     result = ev.evaluate(tmp_path / "b", max_tokens=300, window=128, gen_tokens=4, prompts=["Hi"], quiet=True)
     assert result["reference"] == str(tmp_path / "a")
     assert 0.0 < result["top1_agreement"] < 1.0 and result["kl_mean"] > 0
