@@ -11,7 +11,7 @@ float32). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with
 perplexity over the first --max-tokens tokens of data/eval_prose.txt (1024-token windows), teacher-forced top-1
 agreement and mean KL(reference || model) on the same positions, greedy agreement over data/eval_prompts.json.
 Calibration (AWQ, mixed precision, the INT3 gate) uses data/calibration.txt only. npy-dirs are read through the
-cold tier: every tier of one npy-dir holds the same weights (tests/test_tiers.py, tests/test_quality.py).
+cold tier: every tier of one npy-dir holds the same weights (tests/integration/test_tiers.py, tests/integration/test_quality.py).
 
 Rows are built in --workdir and reused when already there (delete the directory to rebuild).
 """

@@ -2,7 +2,7 @@
 
     python scripts/smoke_test.py
 
-It builds a tiny random-weight llama (tests/tiny_models.py), compresses it to INT8, runs `python -m squishlike
+It builds a tiny random-weight llama (tests/support/tiny_models.py), compresses it to INT8, runs `python -m squishlike
 inspect` and `verify` on the store, loads it cold with the Rust extension and checks its logits against
 `mlx_lm.load` of the source. It works in a temporary directory, and fails if squishlike is imported from the source
 tree instead of the installed wheel.
@@ -21,7 +21,7 @@ sys.path.append(str(REPO / "tests"))
 import mlx_lm  # noqa: E402
 import squishlike  # noqa: E402
 from squishlike import rust_quant  # noqa: E402
-from tiny_models import TINY_CONFIGS, cosine, logits, make_hf_model, make_tokenizer  # noqa: E402
+from support.tiny_models import TINY_CONFIGS, cosine, logits, make_hf_model, make_tokenizer  # noqa: E402
 
 
 def check(condition: bool, what: str) -> None:

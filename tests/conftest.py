@@ -1,11 +1,11 @@
-"""Fixtures shared by the suite. The builders themselves live in tests/tiny_models.py."""
+"""Fixtures shared by the suite. The builders themselves live in tests/support/tiny_models.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
+from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The fault-injection seam of the crash tests (tests/crash_harness.py, fuzz/crash_sweep.py).
+"""The fault-injection seam of the crash tests (tests/support/crash_harness.py, tests/fuzz/crash_sweep.py).
 
 `fault_point(label)` is called at every boundary of the write path: before and after each rename, after the first
 bytes of each file reach the disk, on taking a lock, on creating a temp directory. It does nothing unless the

@@ -386,7 +386,7 @@ def dequantize_int4(
 # mx.quantize(bits=3) writes each row as one little-endian bitstream: element k occupies bits 3k..3k+2, so 8
 # elements fill 3 bytes and 32 elements fill 3 uint32 words; the bytes are those words in little-endian order.
 # A word boundary cuts through elements 10 and 21 of every 32. (Found by quantizing known values with
-# mx.quantize and reading the words back; tests/test_quant.py checks it against MLX.)
+# mx.quantize and reading the words back; tests/unit/test_quant.py checks it against MLX.)
 
 
 def pack_int3(q: np.ndarray) -> np.ndarray:

@@ -16,14 +16,14 @@ from squishlike.formats import detect_format, open_reader
 from squishlike.formats.mlx import MLXReader
 from squishlike.formats.safetensors import HFReader
 from squishlike.model import build_model
-from tiny_models import TINY_CONFIGS, make_hf_model
+from support.tiny_models import TINY_CONFIGS, make_hf_model
 
 LLAMA = TINY_CONFIGS["llama"]
 PROMPT = mx.array([[1, 5, 9, 200, 3, 77]])
 
 
 def hf_llama(directory: Path, tokenizer_dir: Path, dtype: mx.Dtype = mx.float32, shards: int = 1) -> dict:
-    """The suite's tiny llama (tests/tiny_models.py) as an HF directory, split into `shards` files and an index
+    """The suite's tiny llama (tests/support/tiny_models.py) as an HF directory, split into `shards` files and an index
     when more than one; returns the weights written (name -> mx.array)."""
     make_hf_model(directory, LLAMA, tokenizer_dir, dtype)
     single = directory / "model.safetensors"

@@ -1,5 +1,5 @@
 """The GGUF reader: tiny GGUFs written by gguf-py's GGUFWriter, broken files, and the real SmolLM2 GGUF checked
-against llama.cpp's own predictions (tests/fixtures/smollm2_llamacpp_reference.json)."""
+against llama.cpp's own predictions (tests/support/fixtures/smollm2_llamacpp_reference.json)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.gguf_models import CONFIGS, random_model, write_gguf
+from support.fixtures.gguf_models import CONFIGS, random_model, write_gguf
 from mlx_lm.utils import _get_classes, load_tokenizer
 
 from squishlike.errors import FormatError, MissingTensorError
@@ -21,7 +21,7 @@ from squishlike.formats.gguf import GGUFReader
 from squishlike.provider import WeightProvider, open_weights
 
 Q = gguf.GGMLQuantizationType
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "support" / "fixtures"
 TOKENS = [[1, 5, 9, 120, 31, 7, 64, 100, 3, 3, 127, 17]]  # < 128: the tiny GPT-2 vocabulary
 
 # mean |error| / mean |w| of each type on the tiny model's weights (a wrong block layout gives ~1.4)

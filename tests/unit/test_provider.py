@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from fixtures.gguf_models import CONFIGS, random_model, write_gguf
+from support.fixtures.gguf_models import CONFIGS, random_model, write_gguf
 from mlx.utils import tree_flatten
 from test_gguf import TOKENS, model_from
 

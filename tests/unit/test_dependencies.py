@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # (distribution, module, attribute path, the parameters squishlike calls or overrides it with)
 PRIVATE_APIS = [

@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from test_tiers import ALL, TOKENS
-from tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logits, make_hf_model
+from support.tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logits, make_hf_model
 
 import squishlike
 from squishlike import calibration as calibrate

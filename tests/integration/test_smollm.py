@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mlx_lm import generate
-from tiny_models import assert_same_weights
+from support.tiny_models import assert_same_weights
 
 import squishlike
 from squishlike.npydir import NpyDir

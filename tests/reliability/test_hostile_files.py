@@ -1,4 +1,4 @@
-"""Hostile input: every crafted file of tests/hostile_corpus.py gets a typed error (squishlike.errors)
+"""Hostile input: every crafted file of tests/support/hostile_corpus.py gets a typed error (squishlike.errors)
 that names the file, and nothing in any of them is executed (no pickle, no model code, no tokenizer code)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from hostile_corpus import CASES, MARKER, build_base, fill
+from support.hostile_corpus import CASES, MARKER, build_base, fill
 
 import squishlike
 from squishlike.errors import SquishError, TierNotReadyError
@@ -67,7 +67,7 @@ def test_hostile_file_gets_a_typed_error_naming_it(case, base, tmp_path, no_hang
     assert not list(tmp_path.rglob(MARKER)), "a hostile file executed code"
     if case.action.startswith("sentinel:"):
         # Never trusted: the default load ignores (or rebuilds) the tier and returns the clean weights.
-        from crash_harness import load_in_process
+        from support.crash_harness import load_in_process
 
         with pytest.warns(UserWarning, match="damaged") if "lies" in case.name else _nothing():
             _, digest = load_in_process(target)

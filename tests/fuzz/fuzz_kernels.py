@@ -7,7 +7,7 @@ huge), random dtype names and values with NaN and inf. The contract (squishlike/
 is a TypeError, anything else wrong is a QuantizationError (a ValueError). A *crash* is anything else crossing into
 Python — above all a Rust panic (pyo3's PanicException) — or the process dying (a segfault, an abort).
 
-    python fuzz/fuzz_kernels.py [libFuzzer flags]        e.g.  -runs=1000000  -max_total_time=600
+    (cd tests && python -m fuzz.fuzz_kernels [libFuzzer flags])      e.g.  -runs=1000000  -max_total_time=600
 
 It uses atheris for the input stream and the execution count (the kernels themselves are not instrumented:
 coverage comes from the Python-side branching on the decoded structure). On success, valid calls are also checked

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures.gguf_models import CONFIGS, random_model
+from support.fixtures.gguf_models import CONFIGS, random_model
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from crash_harness import lab_fixture, load_in_process, lying_sentinels, ready_tiers, store_part
+from support.crash_harness import lab_fixture, load_in_process, lying_sentinels, ready_tiers, store_part
 
 from squishlike.errors import FormatError
 from squishlike.info import verify

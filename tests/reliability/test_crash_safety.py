@@ -6,8 +6,8 @@ the fault hook in squishlike/io/fault.py) and at random moments, interrupted wit
 After each: the source is untouched, no sentinel counts over files that differ from it, and the next load (after a
 re-run compress where OUT is absent) returns weights bit-identical to a clean build's, from every ready tier.
 
-The trials run in children of a fork server (tests/crash_harness.py), on a one-layer llama. The long version
-(>= 50 random kills per operation, SIGINT at every boundary) is `python fuzz/crash_sweep.py`, or this file with
+The trials run in children of a fork server (tests/support/crash_harness.py), on a one-layer llama. The long version
+(>= 50 random kills per operation, SIGINT at every boundary) is `python tests/fuzz/crash_sweep.py`, or this file with
 SQUISHLIKE_LONG=1.
 """
 
@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from crash_harness import (
+from support.crash_harness import (
     lab_fixture,
     labels_of,
     lying_sentinels,
@@ -109,7 +109,7 @@ def test_first_load_killed_at_every_boundary(lab):
 
 
 def test_random_kills(lab):
-    """~10 kills at random moments in the normal suite (50+ per operation in fuzz/crash_sweep.py)."""
+    """~10 kills at random moments in the normal suite (50+ per operation in tests/fuzz/crash_sweep.py)."""
     n = 60 if LONG else 5
     lab.boundaries("compress")
     lab.boundaries("load")  # measures both durations
@@ -329,10 +329,10 @@ def test_trials_write_the_way_production_does(lab, monkeypatch):
 
 
 def test_sweep_script_runs(tmp_path):
-    """fuzz/crash_sweep.py (the long sweep) works; here with tiny counts."""
-    script = Path(__file__).resolve().parents[1] / "fuzz" / "crash_sweep.py"
-    done = subprocess.run([sys.executable, str(script), "--random", "2", "--no-boundaries", "--json",
-                           str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    """tests/fuzz/crash_sweep.py (the long sweep) works; here with tiny counts."""
+    tests_dir = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "fuzz.crash_sweep", "--random", "2", "--no-boundaries", "--json",
+                           str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300, cwd=tests_dir)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["total"]["failed"] == 0 and summary["total"]["trials"] >= 4

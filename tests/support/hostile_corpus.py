@@ -5,7 +5,7 @@ its npy-dir, the npy-dir with every tier built, an Ollama store, a raw GGUF) and
 it: raise a typed error (a subclass of squishlike.errors.SquishError) whose message names the crafted file, and
 never execute anything (payloads that would create a PWNED marker file sit in several cases).
 
-Used by tests/test_hostile_files.py (one test per case) and as the seed corpus of the fuzzers in fuzz/.
+Used by tests/reliability/test_hostile_files.py (one test per case) and as the seed corpus of the fuzzers in fuzz/.
 """
 
 from __future__ import annotations
@@ -637,9 +637,9 @@ def fill(template: str, target: Path, d: Path, base: Base) -> str:
 def build_base(root: Path, tokenizer_dir: Path) -> Base:
     """The valid models the cases start from (a few seconds, once)."""
     import squishlike
-    from crash_harness import CRASH_CONFIG, load_in_process
+    from .crash_harness import CRASH_CONFIG, load_in_process
     from squishlike.exporter import export
-    from tiny_models import make_hf_model
+    from .tiny_models import make_hf_model
 
     root.mkdir(parents=True, exist_ok=True)
     hf = make_hf_model(root / "hf", CRASH_CONFIG, tokenizer_dir)

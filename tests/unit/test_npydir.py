@@ -75,7 +75,7 @@ def test_part_specs_follow_the_tensor_shape():
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
-    from tiny_models import TINY_CONFIGS, make_hf_model
+    from support.tiny_models import TINY_CONFIGS, make_hf_model
 
     root = tmp_path_factory.mktemp("npydir")
     src = make_hf_model(root / "src", TINY_CONFIGS["llama"], tokenizer_dir)

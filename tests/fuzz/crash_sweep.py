@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The long crash sweep: kill compress and the first load at every write/rename boundary and at many
 random moments, with SIGKILL and with SIGINT, and check after each that nothing was lost and nothing half-built is
-trusted (the checks are tests/crash_harness.py's CrashLab; tests/test_crash_safety.py runs a short version).
+trusted (the checks are tests/support/crash_harness.py's CrashLab; tests/reliability/test_crash_safety.py runs a short version).
 
-    python fuzz/crash_sweep.py                    # every boundary x {SIGKILL, SIGINT} + 60 random moments per op
-    python fuzz/crash_sweep.py --random 200       # more random moments
-    python fuzz/crash_sweep.py --json out.json    # the figures, machine-readable
+    (cd tests && python -m fuzz.crash_sweep)                   # every boundary x {SIGKILL, SIGINT} + 60 random moments per op
+    (cd tests && python -m fuzz.crash_sweep --random 200)       # more random moments
+    (cd tests && python -m fuzz.crash_sweep --json out.json)    # the figures, machine-readable
 
 Exit status 0 only when every trial kept every invariant.
 """
@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from crash_harness import CrashLab, ForkServer, random_delays, summarize  # noqa: E402
+from support.crash_harness import CrashLab, ForkServer, random_delays, summarize
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 reader use. A *crash* is any exception that is not one of squishlike's typed errors (squishlike.errors), a hang
 (libFuzzer's -timeout), or a process death; libFuzzer stops at the first one and writes the input to crash-*.
 
-    python fuzz/fuzz_parsers.py TARGET [libFuzzer flags]      e.g.  -runs=1000000  -max_total_time=600
-    python fuzz/fuzz_parsers.py --list
+    (cd tests && python -m fuzz.fuzz_parsers TARGET [libFuzzer flags])    e.g.  -runs=1000000  -max_total_time=600
+    (cd tests && python -m fuzz.fuzz_parsers --list)
 
 Targets (each writes the fuzzed bytes as one file of an otherwise valid model, then runs the real reader on it):
 
@@ -18,8 +18,8 @@ Targets (each writes the fuzzed bytes as one file of an otherwise valid model, t
     manifest      an npy-dir's manifest.json                -> NpyDir: validation, every part, tier sentinels
     sentinel      a tier sentinel (.squish_ready)           -> read_sentinel / Tier.ready (must never raise)
 
-The seed corpus is the valid file plus the matching crafted files of tests/hostile_corpus.py; everything runs in
-a scratch directory under /dev/shm (or /tmp). fuzz/run_all.sh runs every target for a budget and prints figures.
+The seed corpus is the valid file plus the matching crafted files of tests/support/hostile_corpus.py; everything runs in
+a scratch directory under /dev/shm (or /tmp). tests/fuzz/run_all.sh runs every target for a budget and prints figures.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -71,9 +69,9 @@ class Workspace:
 
     def __init__(self, target: str, root: Path):
         import squishlike
-        from crash_harness import CRASH_CONFIG
-        from hostile_corpus import CASES, build_base, gguf_raw, st_raw
-        from tiny_models import make_hf_model, make_tokenizer
+        from support.crash_harness import CRASH_CONFIG
+        from support.hostile_corpus import CASES, build_base, gguf_raw, st_raw
+        from support.tiny_models import make_hf_model, make_tokenizer
 
         self.root = root
         self.seeds = root / "seeds"

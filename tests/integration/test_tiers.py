@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
-from tiny_models import assert_same_weights, cosine, logits
+from support.tiny_models import assert_same_weights, cosine, logits
 
 import squishlike
 from squishlike.errors import TierNotReadyError

@@ -6,7 +6,7 @@
   runs, OutputExistsError after), and OUT is the winner's complete store.
 - A process killed while it holds the build lock does not block the next one (flock dies with its holder).
 
-Real processes (children of tests/crash_harness.py's fork server), started together at a barrier.
+Real processes (children of tests/support/crash_harness.py's fork server), started together at a barrier.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections import Counter, defaultdict
 
 import pytest
-from crash_harness import lab_fixture, lying_sentinels, ready_tiers, store_part
+from support.crash_harness import lab_fixture, lying_sentinels, ready_tiers, store_part
 
 from squishlike.info import verify
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run every fuzz target for a budget and print the figures (executions, seconds, exec/s, crashes).
 #
-#   fuzz/run_all.sh                      # 1,000,000 executions per target, at most 1 hour each
-#   RUNS=200000 SECONDS_PER_TARGET=300 fuzz/run_all.sh
-#   TARGETS="gguf npy" fuzz/run_all.sh
+#   tests/fuzz/run_all.sh                      # 1,000,000 executions per target, at most 1 hour each
+#   RUNS=200000 SECONDS_PER_TARGET=300 tests/fuzz/run_all.sh
+#   TARGETS="gguf npy" tests/fuzz/run_all.sh
 #
 # Logs and any crash inputs go to $OUT (default /tmp/squishlike-fuzz-out). Exit status 1 if any target crashed.
 set -uo pipefail
@@ -18,9 +18,9 @@ status=0
 printf '%-12s %12s %9s %9s  %s\n' target executions seconds exec/s result
 for t in $TARGETS; do
   if [ "$t" = kernels ]; then
-    cmd=("$PY" fuzz/fuzz_kernels.py)
+    cmd=("$PY" -m fuzz.fuzz_kernels)
   else
-    cmd=("$PY" fuzz/fuzz_parsers.py "$t")
+    cmd=("$PY" -m fuzz.fuzz_parsers "$t")
   fi
   "${cmd[@]}" -runs="$RUNS" -max_total_time="$SECONDS_PER_TARGET" -timeout=20 -rss_limit_mb=4096 \
     -print_final_stats=1 -artifact_prefix="$OUT/$t-" >"$OUT/$t.log" 2>&1

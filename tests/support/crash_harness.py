@@ -1,5 +1,5 @@
-"""Real processes, real kills: the harness behind tests/test_crash_safety.py, tests/test_concurrency.py and the long
-sweeps in fuzz/crash_sweep.py.
+"""Real processes, real kills: the harness behind tests/reliability/test_crash_safety.py, tests/reliability/test_concurrency.py and the long
+sweeps in tests/fuzz/crash_sweep.py.
 
 A *fork server* is a fresh Python process that imports squishlike (and mlx, mlx_lm, transformers) once, runs no
 computation itself (MLX's thread pools do not survive fork), and then forks one child per job. A job runs
@@ -171,7 +171,6 @@ def serve() -> None:
     """The fork server's main loop: one JSON job (or {"parallel": [jobs]}) per line in, one JSON line out."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever squishlike or a library prints goes to stderr, never into the protocol
-    sys.path.insert(0, str(HERE))
     import mlx.core  # noqa: F401  - imports only: no computation may run in the server before a fork
     import mlx_lm.models.llama  # noqa: F401
     import mlx_lm.tokenizer_utils  # noqa: F401
@@ -204,9 +203,10 @@ class ForkServer:
         env = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))  # `support`
         self._log = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve())],
+            [sys.executable, "-m", "support.crash_harness"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
         hello = self.proc.stdout.readline()
@@ -383,7 +383,7 @@ class CrashLab:
 
     def __init__(self, root: Path, server: ForkServer):
         import squishlike
-        from tiny_models import make_hf_model, make_tokenizer
+        from .tiny_models import make_hf_model, make_tokenizer
 
         self.root, self.server = Path(root), server
         self.src = make_hf_model(self.root / "src", CRASH_CONFIG, make_tokenizer(self.root / "tokenizer"))
