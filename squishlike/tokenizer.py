@@ -1,0 +1,273 @@
+"""The tokenizer `load` returns: mlx_lm's TokenizerWrapper, built in a fraction of mlx_lm's time on later loads.
+
+mlx_lm builds it slowly: tokenizer.json is parsed twice in pure Python, the tokenizer class rebuilds its BPE from
+Python objects, and TokenizerWrapper scans the whole vocabulary (get_vocab, convert_ids_to_tokens) to infer the
+detokenizer's token map and the thinking/tool markers.
+
+The first load takes mlx_lm's own path. Beside it, it works out once what that path produced: the backend's
+configuration without its vocabulary, the vocabulary as a plain token list, the merges as id pairs, the tokenizer's
+init arguments, the detokenizer's state and the wrapper's inferred markers. It rebuilds a tokenizer from those facts
+and keeps them (as plain JSON, FACTS_FILE beside the tokenizer) only if the rebuilt tokenizer is identical to
+mlx_lm's: the same backend serialization, special and added tokens, chat template, detokenizer state and token map,
+and wrapper state. Later loads rebuild from the facts, keyed by a hash of the tokenizer files, of the load's
+arguments and of the library versions, so a stale file is ignored. Anything that cannot be shown identical, or
+cannot be written, leaves mlx_lm's path in place, with a debug-level log saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+from importlib.metadata import version
+from pathlib import Path
+from types import FunctionType
+from typing import Any
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_tokenizer
+from tokenizers import AddedToken, Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from .storage import file_checksum, write_json
+
+log = logging.getLogger(__name__)
+
+FACTS_FILE = "squishlike_tokenizer.json"
+# Every file mlx_lm's path reads for a local directory (config.json names the model's tokenizer defaults).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "config.json",
+)
+_LIBRARIES = ("mlx-lm", "transformers", "tokenizers")
+_BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+                "byte_fallback", "ignore_merges")
+# Attributes rebuilt from the tokenizer rather than kept: the backend and the detokenizer's token map.
+_REBUILT = ("_tokenizer", "tokenmap")
+
+
+class NotIdentical(Exception):
+    """The fast path cannot show this tokenizer identical to mlx_lm's; the message says what differs."""
+
+
+def load(
+    directory: Path, tokenizer_config_extra: dict[str, Any] | None = None, eos_token_ids: Any = None
+) -> TokenizerWrapper:
+    """mlx_lm's `load_tokenizer(directory, tokenizer_config_extra, eos_token_ids)`, from FACTS_FILE when it holds
+    facts for these very files and arguments; otherwise mlx_lm's own path, recording the facts for next time."""
+    directory = Path(directory)
+    key = facts_key(directory, tokenizer_config_extra, eos_token_ids)
+    facts = _read_facts(directory, key)
+    if facts is not None:
+        try:
+            return build(directory, facts)
+        except (NotIdentical, KeyError, TypeError, ValueError, ImportError, AttributeError) as e:
+            log.debug("%s: %s unusable (%s); loading the tokenizer through mlx_lm", directory, FACTS_FILE, e)
+    wrapper = load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
+    try:
+        facts = {"key": key, **work_out_facts(directory, wrapper)}
+        write_json(directory / FACTS_FILE, facts)
+    except NotIdentical as e:
+        log.debug("%s: tokenizer fast path not used: %s", directory, e)
+    except OSError as e:
+        log.debug("%s: cannot keep %s (%s); the next load takes mlx_lm's path again", directory, FACTS_FILE, e)
+    return wrapper
+
+
+def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eos_token_ids: Any) -> str:
+    """A hash of everything mlx_lm's result depends on: the tokenizer files, the load's arguments, the versions."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = directory / name
+        h.update(f"{name}:{file_checksum(path) if path.is_file() else '-'};".encode())
+    arguments = [tokenizer_config_extra or {}, eos_token_ids, [version(lib) for lib in _LIBRARIES]]
+    h.update(json.dumps(arguments, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
+
+
+def _read_facts(directory: Path, key: str) -> dict | None:
+    try:
+        facts = json.loads((directory / FACTS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return facts if isinstance(facts, dict) and facts.get("key") == key else None
+
+
+def build(directory: Path, facts: dict) -> TokenizerWrapper:
+    """The TokenizerWrapper the facts describe (see work_out_facts), without scanning the vocabulary."""
+    backend = Tokenizer.from_str(facts["skeleton"])
+    tokens = facts["vocab"]
+    ids = facts["merges"]
+    backend.model = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[(tokens[a], tokens[b]) for a, b in zip(ids[::2], ids[1::2])],
+        **facts["bpe_options"],
+    )
+    # Added after the model, so they take their ids beyond its vocabulary, in their recorded order.
+    for fields in facts["added_tokens"]:
+        token = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    init_kwargs = PreTrainedTokenizerFast.convert_added_tokens(_decode(facts["init_kwargs"]), save=False)
+    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
+    tokenizer._tokenizer = backend  # as model-specific subclasses do: __init__ keeps a backend set before it runs
+    tokenizer.__init__(**{**init_kwargs, "name_or_path": str(directory)})
+
+    detokenizer_class = _decode(facts["detokenizer_class"])
+    detokenizer = detokenizer_class.__new__(detokenizer_class)
+    for name, value in _decode(facts["detokenizer"]).items():
+        setattr(detokenizer, name, value)
+    if hasattr(detokenizer, "_tokenizer"):
+        detokenizer._tokenizer = tokenizer
+    if facts["token_map"] is not None:
+        detokenizer.tokenmap = _token_map(tokenizer, tokens, facts["token_map"])
+    detokenizer.reset()
+
+    wrapper = TokenizerWrapper.__new__(TokenizerWrapper)
+    wrapper._tokenizer = tokenizer
+    wrapper._detokenizer = detokenizer
+    # setattr, as TokenizerWrapper.__init__ does: its own names stay on it, the others land on the tokenizer.
+    for name, value in _decode(facts["wrapper"]).items():
+        setattr(wrapper, name, value)
+    return wrapper
+
+
+def work_out_facts(directory: Path, wrapper: TokenizerWrapper) -> dict:
+    """The facts that rebuild `wrapper` (mlx_lm's, for `directory`); NotIdentical unless the rebuild is identical."""
+    tokenizer = wrapper._tokenizer
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise NotIdentical(f"{type(tokenizer).__name__} is not a tokenizers-backed tokenizer")
+    overridden = [
+        name for klass in type(tokenizer).__mro__[: type(tokenizer).__mro__.index(PreTrainedTokenizerFast)]
+        for name, value in vars(klass).items()
+        if isinstance(value, (FunctionType, property, classmethod, staticmethod)) and name != "__init__"
+    ]
+    if overridden:
+        raise NotIdentical(f"{type(tokenizer).__name__} overrides {', '.join(overridden)}")
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = state["model"]
+    if model.get("type") != "BPE":
+        raise NotIdentical(f"the tokenizer model is {model.get('type')}, not BPE")
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    if [model["vocab"][t] for t in tokens] != list(range(len(tokens))):
+        raise NotIdentical("the vocabulary ids are not 0..n-1")
+    index = model["vocab"]
+    merges = [index[t] for pair in model["merges"] for t in (pair.split(" ") if isinstance(pair, str) else pair)]
+    skeleton = {**state, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []}
+
+    detokenizer = wrapper._detokenizer
+    token_map = getattr(detokenizer, "tokenmap", None)
+    facts = {
+        "skeleton": json.dumps(skeleton, ensure_ascii=False),
+        "vocab": tokens,
+        "merges": merges,
+        "bpe_options": {name: model.get(name) for name in _BPE_OPTIONS},
+        "added_tokens": sorted(state["added_tokens"], key=lambda t: t["id"]),
+        "init_kwargs": _encode(PreTrainedTokenizerFast.convert_added_tokens(
+            {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}, save=True)),
+        "detokenizer_class": _encode(type(detokenizer)),
+        "detokenizer": _encode({k: v for k, v in vars(detokenizer).items() if k not in _REBUILT}),
+        "token_map": None if token_map is None else "bytes" if isinstance(token_map[0], bytes) else "str",
+        "wrapper": _encode({
+            **{k: v for k, v in vars(wrapper).items() if k not in ("_tokenizer", "_detokenizer")},
+            "has_chat_template": wrapper.has_chat_template,
+        }),
+    }
+    facts = json.loads(json.dumps(facts))  # exactly what a later load reads back
+    check_identical(wrapper, build(directory, facts))
+    return facts
+
+
+def check_identical(expected: TokenizerWrapper, actual: TokenizerWrapper) -> None:
+    """NotIdentical naming the first thing in which `actual` differs from `expected`."""
+    a, b = expected._tokenizer, actual._tokenizer
+    comparisons = {
+        "backend": (a.backend_tokenizer.to_str(), b.backend_tokenizer.to_str()),
+        "special tokens": (a.special_tokens_map, b.special_tokens_map),
+        "added tokens": (repr(a.added_tokens_decoder), repr(b.added_tokens_decoder)),
+        "chat template": (a.chat_template, b.chat_template),
+        "length": (len(a), len(b)),
+        "settings": (
+            [getattr(a, k, None) for k in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
+                                           "split_special_tokens", "padding_side", "truncation_side",
+                                           "model_max_length", "model_input_names")],
+            [getattr(b, k, None) for k in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
+                                           "split_special_tokens", "padding_side", "truncation_side",
+                                           "model_max_length", "model_input_names")],
+        ),
+        "detokenizer class": (type(expected._detokenizer), type(actual._detokenizer)),
+        "detokenizer state": _comparable_state(expected._detokenizer, actual._detokenizer),
+        "detokenizer token map": (list(getattr(expected._detokenizer, "tokenmap", [])),
+                                  list(getattr(actual._detokenizer, "tokenmap", []))),
+        "wrapper state": _comparable_state(expected, actual),
+        "has_chat_template": (expected.has_chat_template, actual.has_chat_template),
+    }
+    for what, (want, got) in comparisons.items():
+        if want != got:
+            raise NotIdentical(f"the rebuilt tokenizer's {what} differs")
+
+
+def _comparable_state(expected: object, actual: object) -> tuple[dict, dict]:
+    def state(obj):
+        return {k: v for k, v in vars(obj).items() if k not in (*_REBUILT, "_detokenizer")}
+
+    return state(expected), state(actual)
+
+
+def _token_map(tokenizer: PreTrainedTokenizerFast, vocab: list[str], kind: str) -> list:
+    """The detokenizers' map from id to token (as text, or as the bytes SentencePiece byte tokens stand for),
+    built from the vocabulary list instead of convert_ids_to_tokens over every id."""
+    tokens = vocab + [None] * (len(tokenizer) - len(vocab))
+    for i, token in tokenizer.backend_tokenizer.get_added_tokens_decoder().items():
+        tokens[i] = token.content
+    if kind == "str":
+        return tokens
+    # As SPMStreamingDetokenizer: byte tokens carry their value in hex.
+    return [bytes([int(t[3:5], 16)]) if t.startswith("<0x") else t.encode("utf-8") for t in tokens]
+
+
+def _encode(value: Any) -> Any:
+    """`value` as plain JSON; tuples, sets, bytes and module-level functions or classes tagged so _decode restores
+    them exactly. NotIdentical for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"set": [_encode(v) for v in sorted(value)]}
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, dict):
+        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    qualified = f"{getattr(value, '__module__', '')}:{getattr(value, '__qualname__', '')}"
+    try:
+        if _decode({"object": qualified}) is value:
+            return {"object": qualified}
+    except (ImportError, AttributeError, ValueError):
+        pass
+    raise NotIdentical(f"cannot keep {value!r} as JSON")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    (tag, content), = value.items()
+    if tag == "tuple":
+        return tuple(_decode(v) for v in content)
+    if tag == "set":
+        return {_decode(v) for v in content}
+    if tag == "bytes":
+        return bytes.fromhex(content)
+    if tag == "dict":
+        return {_decode(k): _decode(v) for k, v in content}
+    if tag == "object":
+        module, _, name = content.partition(":")
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise ValueError(f"unknown tag {tag!r}")
