@@ -33,6 +33,7 @@ from .storage import (
     file_record,
     make_temp_dir,
     publish_dir,
+    read_json,
     remove_stale_temps,
     write_json,
     write_npy_stream,
@@ -284,7 +285,13 @@ def _finish_tensor(tmp: Path, entry: dict, array: np.ndarray, src_dtype: str, pa
 
 
 def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict, source_bytes: int) -> dict:
-    side_files = {p.name: file_record(p) for p in provider.write_side_files(tmp)}
+    from . import tokenizer  # mlx_lm and transformers: imported only once a store is written
+
+    written = provider.write_side_files(tmp)
+    # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
+    eos_token_ids = read_json(tmp / "config.json").get("eos_token_id")
+    written += tokenizer.write_facts(tmp, {"trust_remote_code": False}, eos_token_ids)
+    side_files = {p.name: file_record(p) for p in written}
     schemes = {e["scheme"] for e in entries.values()}
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[s for s in ("int4", "int3") if s in schemes])
     manifest = {

@@ -4,14 +4,15 @@ mlx_lm builds it slowly: tokenizer.json is parsed twice in pure Python, the toke
 Python objects, and TokenizerWrapper scans the whole vocabulary (get_vocab, convert_ids_to_tokens) to infer the
 detokenizer's token map and the thinking/tool markers.
 
-The first load takes mlx_lm's own path. Beside it, it works out once what that path produced: the backend's
+`write_facts` (run when a store is compressed) takes mlx_lm's own path and works out what it produced: the backend's
 configuration without its vocabulary, the vocabulary as a plain token list, the merges as id pairs, the tokenizer's
 init arguments, the detokenizer's state and the wrapper's inferred markers. It rebuilds a tokenizer from those facts
 and keeps them (as plain JSON, FACTS_FILE beside the tokenizer) only if the rebuilt tokenizer is identical to
 mlx_lm's: the same backend serialization, special and added tokens, chat template, detokenizer state and token map,
-and wrapper state. Later loads rebuild from the facts, keyed by a hash of the tokenizer files, of the load's
-arguments and of the library versions, so a stale file is ignored. Anything that cannot be shown identical, or
-cannot be written, leaves mlx_lm's path in place, with a debug-level log saying why.
+and wrapper state. `load` rebuilds from the facts, keyed by a hash of the tokenizer files, of the load's arguments
+and of the library versions, so a stale file is ignored. Without usable facts (a tokenizer the fast path cannot
+show identical, a source that is not a store) `load` takes mlx_lm's path, with a debug-level log saying why; a load
+never writes.
 """
 
 from __future__ import annotations
@@ -54,25 +55,38 @@ class NotIdentical(Exception):
 def load(
     directory: Path, tokenizer_config_extra: dict[str, Any] | None = None, eos_token_ids: Any = None
 ) -> TokenizerWrapper:
-    """mlx_lm's `load_tokenizer(directory, tokenizer_config_extra, eos_token_ids)`, from FACTS_FILE when it holds
-    facts for these very files and arguments; otherwise mlx_lm's own path, recording the facts for next time."""
+    """mlx_lm's `load_tokenizer(directory, tokenizer_config_extra, eos_token_ids)`: rebuilt from FACTS_FILE when it
+    holds facts for these very files and arguments, otherwise through mlx_lm."""
     directory = Path(directory)
-    key = facts_key(directory, tokenizer_config_extra, eos_token_ids)
-    facts = _read_facts(directory, key)
+    facts = _read_facts(directory, facts_key(directory, tokenizer_config_extra, eos_token_ids))
     if facts is not None:
         try:
             return build(directory, facts)
-        except (NotIdentical, KeyError, TypeError, ValueError, ImportError, AttributeError) as e:
-            log.debug("%s: %s unusable (%s); loading the tokenizer through mlx_lm", directory, FACTS_FILE, e)
-    wrapper = load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
+        except (KeyError, TypeError, ValueError, ImportError, AttributeError) as e:
+            log.debug("%s: %s unusable (%s: %s); loading the tokenizer through mlx_lm", directory, FACTS_FILE,
+                      type(e).__name__, e)
+    else:
+        log.debug("%s: no %s for these tokenizer files and arguments; loading through mlx_lm", directory, FACTS_FILE)
+    return load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
+
+
+def write_facts(
+    directory: Path, tokenizer_config_extra: dict[str, Any] | None = None, eos_token_ids: Any = None
+) -> list[Path]:
+    """Keep FACTS_FILE in `directory` for later `load`s with these arguments: [FACTS_FILE], or [] (and a debug log)
+    where there is no tokenizer or the fast path cannot show it identical to mlx_lm's."""
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        return []
+    key = facts_key(directory, tokenizer_config_extra, eos_token_ids)
     try:
+        wrapper = load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
         facts = {"key": key, **work_out_facts(directory, wrapper)}
-        write_json(directory / FACTS_FILE, facts)
-    except NotIdentical as e:
-        log.debug("%s: tokenizer fast path not used: %s", directory, e)
-    except OSError as e:
-        log.debug("%s: cannot keep %s (%s); the next load takes mlx_lm's path again", directory, FACTS_FILE, e)
-    return wrapper
+    except Exception as e:  # tokenizers raises a bare Exception for a tokenizer it cannot read
+        log.debug("%s: tokenizer fast path not used: %s: %s", directory, type(e).__name__, e)
+        return []
+    write_json(directory / FACTS_FILE, facts)
+    return [directory / FACTS_FILE]
 
 
 def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eos_token_ids: Any) -> str:
@@ -161,7 +175,7 @@ def work_out_facts(directory: Path, wrapper: TokenizerWrapper) -> dict:
         "skeleton": json.dumps(skeleton, ensure_ascii=False),
         "vocab": tokens,
         "merges": merges,
-        "bpe_options": {name: model.get(name) for name in _BPE_OPTIONS},
+        "bpe_options": {name: model[name] for name in _BPE_OPTIONS if model.get(name) is not None},
         "added_tokens": sorted(state["added_tokens"], key=lambda t: t["id"]),
         "init_kwargs": _encode(PreTrainedTokenizerFast.convert_added_tokens(
             {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}, save=True)),
