@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FunctionType
 from typing import Any
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, models
 from transformers import PreTrainedTokenizerFast
@@ -44,8 +44,10 @@ TOKENIZER_FILES = (
 _LIBRARIES = ("mlx-lm", "transformers", "tokenizers")
 _BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
                 "byte_fallback", "ignore_merges")
-# Attributes rebuilt from the tokenizer rather than kept: the backend and the detokenizer's token map.
-_REBUILT = ("_tokenizer", "tokenmap")
+# Attributes rebuilt rather than kept: the backend, the detokenizer's token map, the objects that hold the
+# tokenizer. _vocab and _merges are what model-specific __init__s build their backend from; nothing reads them after.
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+_REBUILT = ("_tokenizer", "_detokenizer", "tokenmap", "_vocab", "_merges")
 
 
 class NotIdentical(Exception):
@@ -122,27 +124,24 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     for fields in facts["added_tokens"]:
         token = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
-    init_kwargs = PreTrainedTokenizerFast.convert_added_tokens(_decode(facts["init_kwargs"]), save=False)
+    state = _decode(facts["tokenizer"])
     tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
     tokenizer._tokenizer = backend  # as model-specific subclasses do: __init__ keeps a backend set before it runs
-    tokenizer.__init__(**{**init_kwargs, "name_or_path": str(directory)})
+    tokenizer.__init__(**{**state["init_kwargs"], "name_or_path": str(directory)})
+    # Then exactly the attributes mlx_lm's tokenizer ended with, those its class's own __init__ set included.
+    tokenizer.__dict__.update(state, name_or_path=str(directory))
 
     detokenizer_class = _decode(facts["detokenizer_class"])
     detokenizer = detokenizer_class.__new__(detokenizer_class)
-    for name, value in _decode(facts["detokenizer"]).items():
-        setattr(detokenizer, name, value)
-    if hasattr(detokenizer, "_tokenizer"):
+    detokenizer.__dict__.update(_decode(facts["detokenizer"]))
+    if "_tokenizer" in facts["detokenizer_rebuilt"]:
         detokenizer._tokenizer = tokenizer
-    if facts["token_map"] is not None:
-        detokenizer.tokenmap = _token_map(tokenizer, tokens, facts["token_map"])
+    if "tokenmap" in facts["detokenizer_rebuilt"]:
+        detokenizer.tokenmap = _token_map(tokenizer, tokens, as_bytes=detokenizer_class is SPMStreamingDetokenizer)
     detokenizer.reset()
 
     wrapper = TokenizerWrapper.__new__(TokenizerWrapper)
-    wrapper._tokenizer = tokenizer
-    wrapper._detokenizer = detokenizer
-    # setattr, as TokenizerWrapper.__init__ does: its own names stay on it, the others land on the tokenizer.
-    for name, value in _decode(facts["wrapper"]).items():
-        setattr(wrapper, name, value)
+    wrapper.__dict__.update(_decode(facts["wrapper"]), _tokenizer=tokenizer, _detokenizer=detokenizer)
     return wrapper
 
 
@@ -170,22 +169,17 @@ def work_out_facts(directory: Path, wrapper: TokenizerWrapper) -> dict:
     skeleton = {**state, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []}
 
     detokenizer = wrapper._detokenizer
-    token_map = getattr(detokenizer, "tokenmap", None)
     facts = {
         "skeleton": json.dumps(skeleton, ensure_ascii=False),
         "vocab": tokens,
         "merges": merges,
         "bpe_options": {name: model[name] for name in _BPE_OPTIONS if model.get(name) is not None},
         "added_tokens": sorted(state["added_tokens"], key=lambda t: t["id"]),
-        "init_kwargs": _encode(PreTrainedTokenizerFast.convert_added_tokens(
-            {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}, save=True)),
+        "tokenizer": _encode(_kept(tokenizer)),
         "detokenizer_class": _encode(type(detokenizer)),
-        "detokenizer": _encode({k: v for k, v in vars(detokenizer).items() if k not in _REBUILT}),
-        "token_map": None if token_map is None else "bytes" if isinstance(token_map[0], bytes) else "str",
-        "wrapper": _encode({
-            **{k: v for k, v in vars(wrapper).items() if k not in ("_tokenizer", "_detokenizer")},
-            "has_chat_template": wrapper.has_chat_template,
-        }),
+        "detokenizer": _encode(_kept(detokenizer)),
+        "detokenizer_rebuilt": [name for name in _REBUILT if name in vars(detokenizer)],
+        "wrapper": _encode(_kept(wrapper)),
     }
     facts = json.loads(json.dumps(facts))  # exactly what a later load reads back
     check_identical(wrapper, build(directory, facts))
@@ -199,42 +193,34 @@ def check_identical(expected: TokenizerWrapper, actual: TokenizerWrapper) -> Non
         "backend": (a.backend_tokenizer.to_str(), b.backend_tokenizer.to_str()),
         "special tokens": (a.special_tokens_map, b.special_tokens_map),
         "added tokens": (repr(a.added_tokens_decoder), repr(b.added_tokens_decoder)),
-        "chat template": (a.chat_template, b.chat_template),
         "length": (len(a), len(b)),
-        "settings": (
-            [getattr(a, k, None) for k in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
-                                           "split_special_tokens", "padding_side", "truncation_side",
-                                           "model_max_length", "model_input_names")],
-            [getattr(b, k, None) for k in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
-                                           "split_special_tokens", "padding_side", "truncation_side",
-                                           "model_max_length", "model_input_names")],
-        ),
+        "attributes": (_comparable(a), _comparable(b)),
         "detokenizer class": (type(expected._detokenizer), type(actual._detokenizer)),
-        "detokenizer state": _comparable_state(expected._detokenizer, actual._detokenizer),
-        "detokenizer token map": (list(getattr(expected._detokenizer, "tokenmap", [])),
-                                  list(getattr(actual._detokenizer, "tokenmap", []))),
-        "wrapper state": _comparable_state(expected, actual),
-        "has_chat_template": (expected.has_chat_template, actual.has_chat_template),
+        "detokenizer attributes": (_comparable(expected._detokenizer), _comparable(actual._detokenizer)),
+        "detokenizer token map": (getattr(expected._detokenizer, "tokenmap", None),
+                                  getattr(actual._detokenizer, "tokenmap", None)),
+        "wrapper attributes": (_comparable(expected), _comparable(actual)),
     }
     for what, (want, got) in comparisons.items():
         if want != got:
             raise NotIdentical(f"the rebuilt tokenizer's {what} differs")
 
 
-def _comparable_state(expected: object, actual: object) -> tuple[dict, dict]:
-    def state(obj):
-        return {k: v for k, v in vars(obj).items() if k not in (*_REBUILT, "_detokenizer")}
-
-    return state(expected), state(actual)
+def _kept(obj: object) -> dict[str, Any]:
+    return {k: v for k, v in vars(obj).items() if k not in _REBUILT}
 
 
-def _token_map(tokenizer: PreTrainedTokenizerFast, vocab: list[str], kind: str) -> list:
+def _comparable(obj: object) -> dict[str, str]:
+    return {k: repr(v) for k, v in _kept(obj).items()}
+
+
+def _token_map(tokenizer: PreTrainedTokenizerFast, vocab: list[str], as_bytes: bool) -> list:
     """The detokenizers' map from id to token (as text, or as the bytes SentencePiece byte tokens stand for),
     built from the vocabulary list instead of convert_ids_to_tokens over every id."""
     tokens = vocab + [None] * (len(tokenizer) - len(vocab))
     for i, token in tokenizer.backend_tokenizer.get_added_tokens_decoder().items():
         tokens[i] = token.content
-    if kind == "str":
+    if not as_bytes:
         return tokens
     # As SPMStreamingDetokenizer: byte tokens carry their value in hex.
     return [bytes([int(t[3:5], 16)]) if t.startswith("<0x") else t.encode("utf-8") for t in tokens]
@@ -253,6 +239,8 @@ def _encode(value: Any) -> Any:
         return {"set": [_encode(v) for v in sorted(value)]}
     if isinstance(value, bytes):
         return {"bytes": value.hex()}
+    if isinstance(value, AddedToken):
+        return {"added_token": {k: getattr(value, k) for k in _ADDED_TOKEN_FIELDS}}
     if isinstance(value, dict):
         return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
     qualified = f"{getattr(value, '__module__', '')}:{getattr(value, '__qualname__', '')}"
@@ -276,6 +264,8 @@ def _decode(value: Any) -> Any:
         return {_decode(v) for v in content}
     if tag == "bytes":
         return bytes.fromhex(content)
+    if tag == "added_token":
+        return AddedToken(**content)
     if tag == "dict":
         return {_decode(k): _decode(v) for k, v in content}
     if tag == "object":
