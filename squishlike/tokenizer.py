@@ -115,15 +115,16 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     backend = Tokenizer.from_str(facts["skeleton"])
     tokens = facts["vocab"]
     ids = facts["merges"]
+    token = tokens.__getitem__
     backend.model = models.BPE(
-        vocab={token: i for i, token in enumerate(tokens)},
-        merges=[(tokens[a], tokens[b]) for a, b in zip(ids[::2], ids[1::2])],
+        vocab=dict(zip(tokens, range(len(tokens)))),
+        merges=list(zip(map(token, ids[::2]), map(token, ids[1::2]))),
         **facts["bpe_options"],
     )
     # Added after the model, so they take their ids beyond its vocabulary, in their recorded order.
     for fields in facts["added_tokens"]:
-        token = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
-        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+        added = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
+        (backend.add_special_tokens if added.special else backend.add_tokens)([added])
     state = _decode(facts["tokenizer"])
     tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
     tokenizer._tokenizer = backend  # as model-specific subclasses do: __init__ keeps a backend set before it runs
