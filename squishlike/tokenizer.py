@@ -5,8 +5,8 @@ Python objects, and TokenizerWrapper scans the whole vocabulary (get_vocab, conv
 detokenizer's token map and the thinking/tool markers.
 
 `write_facts` (run when a store is compressed) takes mlx_lm's own path and works out what it produced: the backend's
-configuration without its vocabulary, the vocabulary as a plain token list, the merges as id pairs, the tokenizer's
-init arguments, the detokenizer's state and the wrapper's inferred markers. It rebuilds a tokenizer from those facts
+configuration without its vocabulary, the vocabulary as a plain token list, the merges as id pairs, the attributes of
+the tokenizer, of its detokenizer and of the wrapper (eos ids, thinking and tool markers, tool parser). It rebuilds a tokenizer from those facts
 and keeps them (as plain JSON, FACTS_FILE beside the tokenizer) only if the rebuilt tokenizer is identical to
 mlx_lm's: the same backend serialization, special and added tokens, chat template, detokenizer state and token map,
 and wrapper state. `load` rebuilds from the facts, keyed by a hash of the tokenizer files, of the load's arguments
@@ -21,11 +21,13 @@ import hashlib
 import importlib
 import json
 import logging
-from importlib.metadata import version
 from pathlib import Path
 from types import FunctionType
 from typing import Any
 
+import mlx_lm
+import tokenizers
+import transformers
 from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, models
@@ -41,12 +43,11 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "config.json",
 )
-_LIBRARIES = ("mlx-lm", "transformers", "tokenizers")
 _BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
                 "byte_fallback", "ignore_merges")
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 # Attributes rebuilt rather than kept: the backend, the detokenizer's token map, the objects that hold the
 # tokenizer. _vocab and _merges are what model-specific __init__s build their backend from; nothing reads them after.
-_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 _REBUILT = ("_tokenizer", "_detokenizer", "tokenmap", "_vocab", "_merges")
 
 
@@ -64,7 +65,7 @@ def load(
     if facts is not None:
         try:
             return build(directory, facts)
-        except (KeyError, TypeError, ValueError, ImportError, AttributeError) as e:
+        except Exception as e:  # a damaged file: tokenizers raises a bare Exception for bad JSON
             log.debug("%s: %s unusable (%s: %s); loading the tokenizer through mlx_lm", directory, FACTS_FILE,
                       type(e).__name__, e)
     else:
@@ -87,7 +88,11 @@ def write_facts(
     except Exception as e:  # tokenizers raises a bare Exception for a tokenizer it cannot read
         log.debug("%s: tokenizer fast path not used: %s: %s", directory, type(e).__name__, e)
         return []
-    write_json(directory / FACTS_FILE, facts)
+    try:
+        write_json(directory / FACTS_FILE, facts)
+    except OSError as e:
+        log.debug("%s: cannot keep %s: %s", directory, FACTS_FILE, e)
+        return []
     return [directory / FACTS_FILE]
 
 
@@ -97,7 +102,8 @@ def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eo
     for name in TOKENIZER_FILES:
         path = directory / name
         h.update(f"{name}:{file_checksum(path) if path.is_file() else '-'};".encode())
-    arguments = [tokenizer_config_extra or {}, eos_token_ids, [version(lib) for lib in _LIBRARIES]]
+    versions = [mlx_lm.__version__, transformers.__version__, tokenizers.__version__]
+    arguments = [tokenizer_config_extra or {}, eos_token_ids, versions]
     h.update(json.dumps(arguments, sort_keys=True, default=repr).encode())
     return h.hexdigest()
 
@@ -271,6 +277,8 @@ def _decode(value: Any) -> Any:
         return {_decode(k): _decode(v) for k, v in content}
     if tag == "object":
         module, _, name = content.partition(":")
+        if module.partition(".")[0] != "mlx_lm":  # as mlx_lm itself, import only its own parsers and templates
+            raise ValueError(f"{content} is not mlx_lm's")
         obj = importlib.import_module(module)
         for part in name.split("."):
             obj = getattr(obj, part)
