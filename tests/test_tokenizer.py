@@ -192,3 +192,22 @@ def test_compress_keeps_the_facts_and_load_uses_them(tmp_path, monkeypatch):
     _, tokenizer = squishlike.load(store)
     assert tokenizer.encode(CORPUS[2]) == expected.encode(CORPUS[2])
     assert tokenizer.eos_token_ids == expected.eos_token_ids
+
+
+def test_damaged_or_hostile_facts_fall_back(tokenizers, tmp_path):
+    directory = shutil.copytree(tokenizers["tiny"][0], tmp_path / "tiny")
+    facts_file = directory / fast_tokenizer.FACTS_FILE
+    facts = json.loads(facts_file.read_text())
+    expected = load_tokenizer(directory, ARGUMENTS)
+    for damaged in (
+        {**facts, "skeleton": "{not json"},
+        {**facts, "merges": facts["merges"][:-1] + [10**9]},
+        # A store must not name what a load calls: here a tool parser that mlx_lm would call on model output.
+        {**facts, "wrapper": {"dict": [[k, {"object": "os:system"} if k == "_tool_parser" else v]
+                                       for k, v in facts["wrapper"]["dict"]]}},
+    ):
+        facts_file.write_text(json.dumps(damaged))
+        tokenizer = fast_tokenizer.load(directory, ARGUMENTS)
+        assert type(tokenizer.detokenizer) is type(expected.detokenizer)
+        assert tokenizer.tool_parser is expected.tool_parser
+        assert tokenizer.encode(CORPUS[8]) == expected.encode(CORPUS[8])
