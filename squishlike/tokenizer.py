@@ -28,6 +28,7 @@ from typing import Any
 import mlx_lm
 import tokenizers
 import transformers
+from huggingface_hub import is_offline_mode
 from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, models
@@ -84,7 +85,7 @@ def write_facts(
     key = facts_key(directory, tokenizer_config_extra, eos_token_ids)
     try:
         wrapper = load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
-        facts = {"key": key, **work_out_facts(directory, wrapper)}
+        facts = {"key": key, **work_out_facts(directory, wrapper, tokenizer_config_extra or {})}
     except Exception as e:  # tokenizers raises a bare Exception for a tokenizer it cannot read
         log.debug("%s: tokenizer fast path not used: %s: %s", directory, type(e).__name__, e)
         return []
@@ -132,11 +133,15 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
         added = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
         (backend.add_special_tokens if added.special else backend.add_tokens)([added])
     state = _decode(facts["tokenizer"])
+    init_kwargs = state["init_kwargs"]
+    state["name_or_path"] = init_kwargs["name_or_path"] = str(directory)
+    if init_kwargs["local_files_only"] is None:  # as from_pretrained: the caller's value, else offline mode's
+        init_kwargs["local_files_only"] = is_offline_mode()
     tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
     tokenizer._tokenizer = backend  # as model-specific subclasses do: __init__ keeps a backend set before it runs
-    tokenizer.__init__(**{**state["init_kwargs"], "name_or_path": str(directory)})
+    tokenizer.__init__(**init_kwargs)
     # Then exactly the attributes mlx_lm's tokenizer ended with, those its class's own __init__ set included.
-    tokenizer.__dict__.update(state, name_or_path=str(directory))
+    tokenizer.__dict__.update(state)
 
     detokenizer_class = _decode(facts["detokenizer_class"])
     detokenizer = detokenizer_class.__new__(detokenizer_class)
@@ -152,8 +157,9 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     return wrapper
 
 
-def work_out_facts(directory: Path, wrapper: TokenizerWrapper) -> dict:
-    """The facts that rebuild `wrapper` (mlx_lm's, for `directory`); NotIdentical unless the rebuild is identical."""
+def work_out_facts(directory: Path, wrapper: TokenizerWrapper, tokenizer_config_extra: dict[str, Any]) -> dict:
+    """The facts that rebuild `wrapper` (mlx_lm's, for `directory` and these arguments); NotIdentical unless the
+    rebuild is identical."""
     tokenizer = wrapper._tokenizer
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise NotIdentical(f"{type(tokenizer).__name__} is not a tokenizers-backed tokenizer")
@@ -182,7 +188,7 @@ def work_out_facts(directory: Path, wrapper: TokenizerWrapper) -> dict:
         "merges": merges,
         "bpe_options": {name: model[name] for name in _BPE_OPTIONS if model.get(name) is not None},
         "added_tokens": sorted(state["added_tokens"], key=lambda t: t["id"]),
-        "tokenizer": _encode(_kept(tokenizer)),
+        "tokenizer": _encode(_without_location(_kept(tokenizer), tokenizer_config_extra)),
         "detokenizer_class": _encode(type(detokenizer)),
         "detokenizer": _encode(_kept(detokenizer)),
         "detokenizer_rebuilt": [name for name in _REBUILT if name in vars(detokenizer)],
@@ -215,6 +221,15 @@ def check_identical(expected: TokenizerWrapper, actual: TokenizerWrapper) -> Non
 
 def _kept(obj: object) -> dict[str, Any]:
     return {k: v for k, v in vars(obj).items() if k not in _REBUILT}
+
+
+def _without_location(state: dict[str, Any], tokenizer_config_extra: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer's attributes less where and how it was loaded (None, for `build` to set from the directory
+    and the environment at hand), so a store's facts do not depend on where or in what environment it was made."""
+    init_kwargs = {**state["init_kwargs"], "name_or_path": None}
+    if "local_files_only" not in tokenizer_config_extra:
+        init_kwargs["local_files_only"] = None
+    return {**state, "name_or_path": None, "init_kwargs": init_kwargs}
 
 
 def _comparable(obj: object) -> dict[str, str]:
