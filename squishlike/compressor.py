@@ -29,7 +29,7 @@ from .npydir.manifest import encode_key
 from .quant.schemes import SCHEMES, rows_cols
 from .hub import resolve_local
 from .provider import WeightProvider
-from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, write_json
+from .io.atomic import make_temp_dir, publish_dir, read_json, remove_stale_temps, write_json
 from .io.checksum import file_record
 from .io.lock import exclusive
 from .io.npy import write_npy_stream
@@ -272,7 +272,13 @@ def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: 
 
 
 def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, TensorEntry], source_bytes: int) -> dict:
-    side_files = {p.name: FileRecord.from_json(file_record(p)) for p in provider.write_side_files(tmp)}
+    from . import tokenizer  # mlx_lm and transformers: imported only once a store is written
+
+    written = provider.write_side_files(tmp)
+    # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
+    eos_token_ids = read_json(tmp / "config.json").get("eos_token_id")
+    written += tokenizer.write_facts(tmp, {"trust_remote_code": False}, eos_token_ids)
+    side_files = {p.name: FileRecord.from_json(file_record(p)) for p in written}
     schemes = {e.scheme for e in entries.values()}
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[s for s in ("int4", "int3") if s in schemes])
     source = Path(provider.reader.path)

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_tokenizer
+from mlx_lm.utils import _get_classes, infer_quant_config
 
+from . import tokenizer
+from .config import load_config
 from .errors import FormatError, SquishError, UnsupportedArchitectureError
 
 if TYPE_CHECKING:
@@ -95,8 +97,9 @@ def build_model(
 def build_tokenizer(
     side_files_dir: Path, tokenizer_config: dict | None = None, eos_token_ids: Any = None
 ) -> TokenizerWrapper:
-    """mlx_lm's TokenizerWrapper from a directory holding tokenizer.json / tokenizer_config.json."""
-    return load_tokenizer(Path(side_files_dir), tokenizer_config or {}, eos_token_ids=eos_token_ids)
+    """mlx_lm's TokenizerWrapper from a directory holding tokenizer.json / tokenizer_config.json (through the
+    tokenizer fast path where the directory keeps its facts)."""
+    return tokenizer.load(Path(side_files_dir), tokenizer_config, eos_token_ids=eos_token_ids)
 
 
 def assemble(

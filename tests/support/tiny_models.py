@@ -118,3 +118,112 @@ def assert_same_weights(a, b) -> None:
     for k in pa:
         assert pa[k].dtype == pb[k].dtype, k
         assert mx.array_equal(pa[k], pb[k]).item(), f"{k} differs between tiers"
+
+
+QWEN2_CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+For each function call, return <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>
+Call tool_call.name with its arguments.<|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{%- if enable_thinking is defined and not enable_thinking %}
+<think>
+
+</think>
+{% endif %}
+{% endif %}"""
+
+QWEN2_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|fim_prefix|>"]
+QWEN2_ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+
+def _synthetic_merges(alphabet: list[str], vocab_size: int, seed: int) -> tuple[list[str], list[tuple]]:
+    """A BPE vocabulary of `vocab_size` tokens grown from `alphabet` by random pairwise merges (short tokens
+    merged more often), with the merges that produce it: a real, consistent BPE model in a second."""
+    import random
+
+    rng = random.Random(seed)
+    tokens = list(alphabet)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    while len(tokens) < vocab_size:
+        a = tokens[min(int(rng.expovariate(1 / 400)), len(tokens) - 1)]
+        b = tokens[min(int(rng.expovariate(1 / 400)), len(tokens) - 1)]
+        if (merged := a + b) not in vocab and len(merged) <= 16:
+            vocab[merged] = len(tokens)
+            tokens.append(merged)
+            merges.append((a, b))
+    return tokens, merges
+
+
+def make_qwen2_tokenizer(directory: Path, vocab_size: int = 151_643) -> Path:
+    """A Qwen2-style tokenizer: byte-level BPE with Qwen2's split regex and NFC, `vocab_size` entries, its special
+    and added tokens, and a ChatML template with tools and thinking (synthesized merges, not trained)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)
+    tokens, merges = _synthetic_merges(alphabet, vocab_size, seed=0)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.normalizer = normalizers.NFC()
+    regex = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": t in QWEN2_SPECIAL_TOKENS}
+        for t in QWEN2_SPECIAL_TOKENS + QWEN2_ADDED_TOKENS
+    }
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer", "added_tokens_decoder": added, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
+        "clean_up_tokenization_spaces": False, "split_special_tokens": False, "model_max_length": 131072,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "chat_template": QWEN2_CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+SPM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message.role }}\n{{ message.content }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def make_spm_tokenizer(directory: Path, vocab_size: int = 32_000) -> Path:
+    """A SentencePiece-style (Llama/Gemma) tokenizer: BPE over "▁"-joined text with byte fallback, <0xXX> byte
+    tokens, a BOS-adding post-processor, Gemma's turn markers as added tokens (synthesized merges)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    special = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    alphabet = list(dict.fromkeys(["\u2581", *(chr(c) for c in range(33, 127)), *"éèàüößçñ日本語中文你好世界привет"]))
+    tokens, merges = _synthetic_merges(alphabet, vocab_size - len(special) - len(byte_tokens), seed=1)
+    vocab = {t: i for i, t in enumerate(special + byte_tokens + tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<start_of_turn>", "<end_of_turn>")])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": None, "add_bos_token": True, "add_eos_token": False, "legacy": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": 8192, "chat_template": SPM_CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return directory
