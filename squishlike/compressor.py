@@ -191,59 +191,71 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
 def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, plan=None) -> dict:
     runtime = opts.dtype or runtime_dtype(provider)
     infos = provider.reader.tensors()
-    names = provider.names()
     (tmp / TENSORS).mkdir()
-    entries: dict[str, TensorEntry] = {}
     source_bytes = sum(t.nbytes for t in infos.values())
-    bar = tqdm(total=source_bytes, unit="B", unit_scale=True, desc="compress", disable=None, file=sys.stderr)
-    # A pipeline of two: while the main thread reads and quantizes tensor i+1 (the Rust kernels use every core),
-    # a worker measures tensor i's error and writes its files (NumPy, hashing and the writes release the GIL).
-    pool = ThreadPoolExecutor(1, thread_name_prefix="squishlike-store")
-    pending: deque = deque()
+    with tqdm(total=source_bytes, unit="B", unit_scale=True, desc="compress", disable=None, file=sys.stderr) as bar:
+        pipeline = _Pipeline(bar)
+        try:
+            for name in provider.names():
+                info = infos.get(provider.source_name(name))
+                entry, array, src_dtype, parts = _quantize_tensor(provider, name, info, opts, runtime, plan)
+                nbytes = info.nbytes if info else array.nbytes
+                pipeline.submit(name, nbytes, _finish_tensor, tmp, entry, array, src_dtype, parts, runtime)
+            pipeline.drain()
+        finally:
+            pipeline.close()
+    return _finish_store(provider, tmp, opts, runtime, pipeline.entries, source_bytes)
 
-    def finish_oldest() -> None:
-        done_name, future, nbytes = pending.popleft()
-        entries[done_name] = future.result()
-        bar.update(nbytes)
 
-    try:
-        _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pending, finish_oldest)
-        while pending:
-            finish_oldest()
-    finally:
-        for _, future, _ in pending:
+class _Pipeline:
+    """A pipeline of two: while the main thread reads and quantizes tensor i+1 (the Rust kernels use every core),
+    a worker measures tensor i's error and writes its files (NumPy, hashing and the writes release the GIL). At
+    most one tensor waits behind the one being finished, so memory stays bounded."""
+
+    def __init__(self, bar: tqdm):
+        self.entries: dict[str, TensorEntry] = {}
+        self._bar = bar
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="squishlike-store")
+        self._pending: deque = deque()
+
+    def submit(self, name: str, nbytes: int, finish, *args) -> None:
+        while len(self._pending) >= 2:
+            self._finish_oldest()
+        self._pending.append((name, self._pool.submit(finish, *args), nbytes))
+
+    def drain(self) -> None:
+        while self._pending:
+            self._finish_oldest()
+
+    def close(self) -> None:
+        for _, future, _ in self._pending:
             future.cancel()
-        pool.shutdown(wait=True)
-    bar.close()
+        self._pool.shutdown(wait=True)
 
-    return _finish_store(provider, tmp, opts, runtime, entries, source_bytes)
+    def _finish_oldest(self) -> None:
+        name, future, nbytes = self._pending.popleft()
+        self.entries[name] = future.result()
+        self._bar.update(nbytes)
 
 
-def _quantize_all(provider, names, infos, tmp, opts, runtime, plan, pool, pending, finish_oldest) -> None:
-    for name in names:
-        source_name = provider.source_name(name)
-        info = infos.get(source_name)
-        array, src_dtype = to_numpy(provider.get(name))
-        array = np.ascontiguousarray(array)
-        scheme, reason = choose_scheme(name, array.shape, opts)
-        if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
-            array, src_dtype = plan.apply(name, array, src_dtype)
-            scheme, reason = plan.scheme(name, scheme, reason)
-        dtype = info.dtype if info else src_dtype
-        entry = TensorEntry(encode_key(name), source_name, array.shape, dtype, scheme, reason)
-        if entry.kind.quantized:
-            if entry.kind.grouped:  # INT8 scales are always float32, one per row
-                entry.group_size, entry.scale_dtype = opts.group_size, runtime
-            try:
-                parts = _quantize(array, src_dtype, scheme, opts, runtime)
-            except ValueError as e:
-                raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
-        else:
-            parts = None
-        while len(pending) >= 2:  # at most one tensor waiting behind the one being finished: bounded memory
-            finish_oldest()
-        future = pool.submit(_finish_tensor, tmp, entry, array, src_dtype, parts, runtime)
-        pending.append((name, future, info.nbytes if info else array.nbytes))
+def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, runtime: str, plan):
+    """(manifest entry, values, their dtype, quantized parts or None) of one tensor, by the scheme rules."""
+    array, src_dtype = to_numpy(provider.get(name))
+    array = np.ascontiguousarray(array)
+    scheme, reason = choose_scheme(name, array.shape, opts)
+    if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
+        array, src_dtype = plan.apply(name, array, src_dtype)
+        scheme, reason = plan.scheme(name, scheme, reason)
+    dtype = info.dtype if info else src_dtype
+    entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
+    if not entry.kind.quantized:
+        return entry, array, src_dtype, None
+    if entry.kind.grouped:  # INT8 scales are always float32, one per row
+        entry.group_size, entry.scale_dtype = opts.group_size, runtime
+    try:
+        return entry, array, src_dtype, _quantize(array, src_dtype, scheme, opts, runtime)
+    except ValueError as e:
+        raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
 
 
 def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: str, parts: dict | None,
