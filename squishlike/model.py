@@ -145,11 +145,11 @@ def provider_model(
     trust_remote_code: bool = False,
 ) -> tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """(model, tokenizer, config) of any model the provider reads, its side files (config, tokenizer) written to a
-    temporary directory for mlx_lm to read."""
-    weights = {provider.mlx_name(n): provider.get(n) for n in provider.names()}
+    temporary directory for mlx_lm to read. An MLX-quantized source stays quantized, as mlx_lm.load keeps it."""
+    weights = provider.mlx_weights()
     with tempfile.TemporaryDirectory(prefix="squishlike-side-") as side_files:
         provider.write_side_files(Path(side_files))
-        config = load_config(Path(side_files))
+        config = {**load_config(Path(side_files)), **provider.quantization()}
         model, tokenizer = assemble(config, weights, Path(side_files), provider.reader.path,
                                     tokenizer_config=tokenizer_config, model_config=model_config, lazy=lazy,
                                     trust_remote_code=trust_remote_code)

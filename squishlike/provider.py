@@ -92,6 +92,28 @@ class WeightProvider:
             return None
         return self.reader.read_quantized(self.source_name(name))
 
+    def quantization(self) -> dict[str, Any]:
+        """The source config's entries (QUANTIZATION_KEYS) that describe the triples `mlx_weights` keeps quantized:
+        an MLX source's "quantization" (per-layer overrides under mlx_lm module paths) as config.json holds it;
+        {} for a source mlx_lm would not load quantized."""
+        config = self.config.to_dict()
+        if not isinstance(config.get("quantization"), dict):
+            return {}
+        return {key: config[key] for key in QUANTIZATION_KEYS if key in config}
+
+    def mlx_weights(self) -> dict[str, mx.array]:
+        """Every tensor under its mlx_lm parameter name, as mlx_lm.load holds it for the config `quantization()`
+        describes: a triple of an MLX source stays quantized, bit for bit; every other tensor is `get`'s."""
+        keep_quantized = bool(self.quantization())
+        weights: dict[str, mx.array] = {}
+        for name in self.names():
+            triple = self.get_quantized(name) if keep_quantized else None
+            if triple is None:
+                weights[self.mlx_name(name)] = self.get(name)
+            else:
+                weights.update(triple.parameters(self.mlx_name(name).removesuffix(".weight")))
+        return weights
+
     def fuse(self, *names: str) -> mx.array:
         """The canonical tensors `names` stacked by rows (Q+K+V, gate+up)."""
         return mx.concatenate([self.get(name) for name in names], axis=0)

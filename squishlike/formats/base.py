@@ -44,6 +44,13 @@ class QuantizedTensor:
         )
         return w if dtype is None else w.astype(dtype)
 
+    def parameters(self, layer: str) -> dict[str, mx.array]:
+        """The triple as the quantized module `layer` holds it: `<layer>.weight`, `.scales`, and `.biases` (affine)."""
+        parts = {f"{layer}.weight": self.weight, f"{layer}.scales": self.scales}
+        if self.biases is not None:
+            parts[f"{layer}.biases"] = self.biases
+        return parts
+
 
 class FormatReader(ABC):
     """Reads one model format. Subclasses live one per file in squishlike/formats/ and register in __init__."""

@@ -1,0 +1,81 @@
+"""MLX-quantized sources stay quantized: `squishlike.load` returns what `mlx_lm.load` returns (same module classes,
+the same parameters bit for bit), `compress` at matching bits repacks the source's values without a second
+rounding, and `export --to mlx -q` of a quantized store writes the store's own values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+
+import squishlike
+from support.tiny_models import TINY_CONFIGS, make_hf_model
+
+PROMPT = [1, 5, 9, 200, 3, 77, 41, 12]
+
+# (mode, bits, group size): every mode mlx_lm.convert writes on this MLX version.
+MODES = [
+    *[("affine", bits, 64) for bits in (2, 3, 4, 5, 6, 8)],
+    ("mxfp4", 4, 32),
+    ("mxfp8", 8, 32),
+    ("nvfp4", 4, 16),
+]
+
+
+def mlx_quantized(tmp_path: Path, tokenizer_dir: Path, model_type: str = "llama", **convert_args) -> Path:
+    """A tiny random model quantized by mlx_lm.convert itself (float32, so forward passes are exact on CPU)."""
+    make_hf_model(tmp_path / "hf", TINY_CONFIGS[model_type], tokenizer_dir)
+    mlx_lm.convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), quantize=True, **convert_args)
+    return tmp_path / "mlx"
+
+
+def bits_of(a: mx.array) -> mx.array:
+    return a.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[a.dtype.size])
+
+
+def assert_same_model(model, reference) -> None:
+    """The same module class at every path and every parameter bit for bit, the same logits and greedy tokens."""
+    classes = {path: type(m) for path, m in model.named_modules()}
+    assert classes == {path: type(m) for path, m in reference.named_modules()}
+    params, expected = dict(tree_flatten(model.parameters())), dict(tree_flatten(reference.parameters()))
+    assert params.keys() == expected.keys()
+    for name, value in expected.items():
+        assert params[name].dtype == value.dtype and params[name].shape == value.shape, name
+        assert mx.array_equal(bits_of(params[name]), bits_of(value)).item(), name
+    logits, reference_logits = model(mx.array([PROMPT])), reference(mx.array([PROMPT]))
+    assert mx.array_equal(logits, reference_logits).item()
+    assert logits.argmax(-1).tolist() == reference_logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("mode, bits, group_size", MODES, ids=[f"{m}{b}" if m == "affine" else m for m, b, _ in MODES])
+def test_load_keeps_every_mode_quantized(tmp_path, tokenizer_dir, mode, bits, group_size):
+    source = mlx_quantized(tmp_path, tokenizer_dir, q_mode=mode, q_bits=bits, q_group_size=group_size)
+    model, _, config = squishlike.load(source, return_config=True)
+    reference, _, reference_config = mlx_lm.load(str(source), return_config=True)
+    assert_same_model(model, reference)
+    assert config["quantization"] == reference_config["quantization"]
+    quantized = [m for _, m in model.named_modules() if hasattr(m, "scales")]
+    assert quantized and all((m.mode, m.bits, m.group_size) == (mode, bits, group_size) for m in quantized)
+
+
+def test_load_keeps_per_layer_overrides(tmp_path, tokenizer_dir):
+    def predicate(path, module, config=None):
+        if path == "model.layers.0.mlp.down_proj":
+            return {"group_size": 32, "bits": 8}
+        if path == "model.layers.1.self_attn.q_proj":
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        return path != "model.layers.1.self_attn.v_proj"  # left dense
+
+    source = mlx_quantized(tmp_path, tokenizer_dir, q_bits=4, q_group_size=64, quant_predicate=predicate)
+    model, _ = squishlike.load(source)
+    reference, _ = mlx_lm.load(str(source))
+    assert_same_model(model, reference)
+    layers = model.model.layers
+    assert (layers[0].mlp.down_proj.bits, layers[0].mlp.down_proj.group_size) == (8, 32)
+    assert layers[1].self_attn.q_proj.mode == "mxfp4"
+    assert type(layers[1].self_attn.v_proj).__name__ == "Linear"
+    assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
