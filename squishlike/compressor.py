@@ -24,6 +24,7 @@ from . import quant
 from .compress_options import CompressOptions, choose_scheme, runtime_dtype
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import OutputExistsError, QuantizationError
+from .formats import QuantizedTensor
 from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
 from .npydir.manifest import encode_key
 from .quant.schemes import SCHEMES, rows_cols
@@ -163,6 +164,25 @@ def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOpti
     return dict(zip(SCHEMES[scheme].suffixes, parts))
 
 
+def repack(triple: QuantizedTensor | None, scheme: str, runtime: str) -> dict[str, np.ndarray] | None:
+    """An MLX affine triple as the grouped `scheme`'s parts, its codes, scales and offsets kept as they are
+    (docs/format.md §5): a lossless repack, when its bits and group size are the scheme's and its scales are in
+    the runtime dtype. None when any of that differs: the tensor is then quantized from its dequantized values."""
+    kind = SCHEMES[scheme]
+    if (
+        triple is None
+        or triple.mode != "affine"
+        or triple.bits != kind.bits
+        or triple.group_size not in kind.group_sizes
+        or triple.scales.dtype != MX_DTYPES[runtime]
+    ):
+        return None
+    codes = quant.from_mlx_words(scheme, np.asarray(triple.weight))
+    scales, biases = (np.ascontiguousarray(to_numpy(p)[0]).reshape(codes.shape[0], -1)
+                      for p in (triple.scales, triple.biases))
+    return dict(zip(kind.suffixes, (codes, scales, biases)))
+
+
 def error_stats(original: np.ndarray, src_dtype: str, parts: dict, entry: TensorEntry) -> ErrorStats:
     """Relative error and cosine similarity of the dequantized tensor on evenly sampled rows."""
     rows, cols = rows_cols(entry.shape)
@@ -239,17 +259,25 @@ class _Pipeline:
 
 
 def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, runtime: str, plan):
-    """(manifest entry, values, their dtype, quantized parts or None) of one tensor, by the scheme rules."""
-    array, src_dtype = to_numpy(provider.get(name))
+    """(manifest entry, values, their dtype, quantized parts or None) of one tensor, by the scheme rules. A source
+    triple the scheme can hold as it is is repacked (`repack`), never rounded a second time."""
+    triple = provider.get_quantized(name)
+    array, src_dtype = to_numpy(provider.get(name) if triple is None else triple.dequantize())
     array = np.ascontiguousarray(array)
     scheme, reason = choose_scheme(name, array.shape, opts)
     if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
+        if plan.rewrites(name):
+            triple = None
         array, src_dtype = plan.apply(name, array, src_dtype)
         scheme, reason = plan.scheme(name, scheme, reason)
     dtype = info.dtype if info else src_dtype
     entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
     if not entry.kind.quantized:
         return entry, array, src_dtype, None
+    if (parts := repack(triple, scheme, runtime)) is not None:
+        entry.group_size, entry.scale_dtype = triple.group_size, runtime
+        entry.reason += f"; the source's own {triple.bits}-bit values, repacked without rounding"
+        return entry, array, src_dtype, parts
     if entry.kind.grouped:  # INT8 scales are always float32, one per row
         entry.group_size, entry.scale_dtype = opts.group_size, runtime
     try:

@@ -33,11 +33,16 @@ class Plan:
     def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
         """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
         exact by mixed precision is held in the runtime dtype: what the runtime sees, and what the budget counted."""
-        if self.transform.touches(name):
+        if self.rewrites(name):
             array, src_dtype = self.transform.apply(name, to_float32(array, src_dtype)), "float32"
         if self.promote.get(name) == "passthrough" and src_dtype != self.runtime:
             array, src_dtype = from_float32(to_float32(array, src_dtype), self.runtime), self.runtime
         return array, src_dtype
+
+    def rewrites(self, name: str) -> bool:
+        """Whether `apply` changes the values of `name` (AWQ scaling): a source's own quantized values then no
+        longer hold them."""
+        return self.transform.touches(name)
 
     def scheme(self, name: str, scheme: str, reason: str) -> tuple[str, str]:
         if scheme != "passthrough" and name in self.promote:

@@ -29,6 +29,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "mlx_words",
+    "from_mlx_words",
     "quantize_int8",
     "dequantize_int8",
     "quantize_int8g",
@@ -224,3 +225,11 @@ def dequantize(
 def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
     """INT4/INT3 packed codes as the uint32 words MLX keeps (INT3 is stored in MLX's layout already)."""
     return int4_to_mlx(q) if scheme == "int4" else q
+
+
+def from_mlx_words(scheme: str, words: np.ndarray) -> np.ndarray:
+    """The inverse of mlx_words for any grouped scheme: MLX's uint32 words [..., w] as the scheme's packed codes
+    [rows, packed cols]. MLX packs element k of a word at bits k*bits.., LSB first, which is the scheme's own
+    packing read as little-endian words, so this is a view (a copy only for non-contiguous input)."""
+    words = np.ascontiguousarray(words, dtype="<u4")
+    return words.reshape(rows_cols(words.shape, "words")).view(SCHEMES[scheme].word)

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 import squishlike
-from support.tiny_models import TINY_CONFIGS, make_hf_model
+from squishlike.compressor import compress
+from squishlike.npydir import NpyDir
+from support.tiny_models import TINY_CONFIGS, assert_same_weights, make_hf_model
 
 PROMPT = [1, 5, 9, 200, 3, 77, 41, 12]
 
@@ -27,7 +30,8 @@ MODES = [
 
 
 def mlx_quantized(tmp_path: Path, tokenizer_dir: Path, model_type: str = "llama", **convert_args) -> Path:
-    """A tiny random model quantized by mlx_lm.convert itself (float32, so forward passes are exact on CPU)."""
+    """A tiny random model quantized by mlx_lm.convert itself (in float32 unless `dtype` is given: fast forward
+    passes on CPU)."""
     make_hf_model(tmp_path / "hf", TINY_CONFIGS[model_type], tokenizer_dir)
     mlx_lm.convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), quantize=True, **convert_args)
     return tmp_path / "mlx"
@@ -79,3 +83,51 @@ def test_load_keeps_per_layer_overrides(tmp_path, tokenizer_dir):
     assert layers[1].self_attn.q_proj.mode == "mxfp4"
     assert type(layers[1].self_attn.v_proj).__name__ == "Linear"
     assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
+
+
+def store_triple(store: NpyDir, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The store's own codes (as MLX words), scales and offsets of `name`, as NumPy bits."""
+    triple = store.quantized(name)
+    return tuple(np.array(p.view(mx.uint16) if p.dtype == mx.bfloat16 else p) for p in
+                 (triple.weight, triple.scales, triple.biases))
+
+
+def source_triples(source: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every affine triple of an MLX directory, keyed by its weight's name, as NumPy bits."""
+    raw = mx.load(str(source / "model.safetensors"))
+    bits = {k: np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v) for k, v in raw.items()}
+    layers = [name.removesuffix(".scales") for name in raw if name.endswith(".scales")]
+    return {f"{layer}.weight": tuple(bits[f"{layer}.{part}"] for part in ("weight", "scales", "biases"))
+            for layer in layers}
+
+
+@pytest.mark.parametrize("scheme, bits", [("int4", 4), ("int3", 3)])
+def test_compress_at_matching_bits_keeps_the_source_values(tmp_path, tokenizer_dir, scheme, bits):
+    # bf16 as mlx-community models are (scales in the runtime dtype); group 32 where compress is asked for 64
+    source = mlx_quantized(tmp_path, tokenizer_dir, dtype="bfloat16", q_bits=bits, q_group_size=32)
+    out = compress(source, tmp_path / "store", format=scheme, group_size=64, quantize_embeddings=True,
+                   int3_gate=False)
+    store = NpyDir(out)
+    expected = source_triples(source)
+    repacked = {name: e for name, e in store.entries.items() if e.scheme == scheme}
+    assert {e.source_name for e in repacked.values()} == set(expected)
+    for name, entry in repacked.items():
+        assert entry.group_size == 32 and entry.error.rel_error == 0 and "repacked" in entry.reason
+        for got, want in zip(store_triple(store, name), expected[entry.source_name]):
+            assert np.array_equal(got, want), name
+
+    reference, _ = mlx_lm.load(str(source))
+    cold, _ = squishlike.load(out)  # the first load: cold (the Rust kernels dequantize), and it builds the tiers
+    assert_same_weights(cold, reference)
+    if scheme == "int4":  # the int4 tier the first load built is mlx_lm's own model again
+        assert_same_model(squishlike.load(out, tier="int4")[0], reference)
+
+
+@pytest.mark.parametrize("dtype, repacked", [("bfloat16", False), ("float32", True)])
+def test_compress_requantizes_scales_of_another_dtype(tmp_path, tokenizer_dir, dtype, repacked):
+    """float32 scales cannot be stored in a bfloat16 store as they are: those tensors are quantized afresh."""
+    source = mlx_quantized(tmp_path, tokenizer_dir, q_bits=4, q_group_size=64)  # float32 scales
+    store = NpyDir(compress(source, tmp_path / "store", format="int4", dtype=dtype))
+    entries = [e for e in store.entries.values() if e.scheme == "int4"]
+    assert entries and all(("repacked" in e.reason) == repacked for e in entries)
+    assert all((e.error.rel_error == 0) == repacked for e in entries)
