@@ -6,7 +6,8 @@ every format exports alike; a quantized source is written dequantized unless -q 
 
 - hf: model.safetensors (sharded past 5 GiB) under HF names and orientation, config.json, tokenizer files.
 - mlx: what `mlx_lm.convert` writes: the mlx_lm model is built, quantized by mlx_lm's own `quantize_model`
-  (so its per-layer choices and the "quantization" config are mlx_lm's), and its parameters saved.
+  (so its per-layer choices and the "quantization" config are mlx_lm's), and its parameters saved. A layer the
+  source already stores quantized that way (an INT4 store at -q's 4 bits) keeps the source's own values.
 - ollama: content-addressed safetensors blobs (quantized ones in MLX layout with quant_type / group_size metadata,
   the experts of one layer in one blob), the config and tokenizer files as JSON layers, and the manifest last.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
@@ -161,11 +163,30 @@ def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None) -
     model = build_model(config, weights, lazy=True)
     if params is not None:
         model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode)
+        model.load_weights(list(own_quantized(provider, model).items()), strict=False)
     provider.write_side_files(out)
     parameters = dict(tree_flatten(model.parameters()))
     write_shards(out, list(parameters), parameters.__getitem__, {"format": "mlx"})
     with atomic_path(out / CONFIG) as tmp:  # after the side files, whose config.json it replaces
         save_config(config, tmp)
+
+
+def own_quantized(provider: WeightProvider, model: nn.Module) -> dict[str, mx.array]:
+    """The source's own triples (an INT4 store's, an MLX directory's) for the layers `model` holds quantized with
+    the same group size, bits, mode and scale dtype, by parameter name: written as stored, where quantizing their
+    dequantized values again would round a second time."""
+    canonical = names_as(provider, "mlx")
+    parameters: dict[str, mx.array] = {}
+    for path, module in model.named_modules():
+        name = canonical.get(f"{path}.weight")
+        if name is None or not hasattr(module, "scales"):
+            continue
+        triple = provider.get_quantized(name)
+        if triple is not None and (triple.group_size, triple.bits, triple.mode, triple.scales.dtype) == (
+            module.group_size, module.bits, module.mode, module.scales.dtype
+        ):
+            parameters.update(triple.parameters(path))
+    return parameters
 
 
 # ---------------------------------------------------------------------------------------------- Ollama

@@ -15,7 +15,9 @@ from mlx.utils import tree_flatten
 
 import squishlike
 from squishlike.compressor import compress
+from squishlike.exporter import export
 from squishlike.npydir import NpyDir
+from squishlike.tiers.base import mlx_names
 from support.tiny_models import TINY_CONFIGS, assert_same_weights, make_hf_model
 
 PROMPT = [1, 5, 9, 200, 3, 77, 41, 12]
@@ -131,3 +133,14 @@ def test_compress_requantizes_scales_of_another_dtype(tmp_path, tokenizer_dir, d
     entries = [e for e in store.entries.values() if e.scheme == "int4"]
     assert entries and all(("repacked" in e.reason) == repacked for e in entries)
     assert all((e.error.rel_error == 0) == repacked for e in entries)
+
+
+def test_quantized_mlx_export_of_an_int4_store_writes_the_store_values(tmp_path, tiny_llama):
+    store = NpyDir(compress(tiny_llama, tmp_path / "store", format="int4", group_size=64, dtype="bfloat16"))
+    out = export(store.path, "mlx", tmp_path / "mlx", quantize=True, q_bits=4, q_group_size=64)
+    exported, names = source_triples(out), mlx_names(store)
+    int4 = [name for name, e in store.entries.items() if e.scheme == "int4"]
+    assert int4
+    for name in int4:
+        for got, want in zip(exported[names[name]], store_triple(store, name)):
+            assert np.array_equal(got, want), name
