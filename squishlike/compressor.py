@@ -166,7 +166,7 @@ def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOpti
 
 def repack(triple: QuantizedTensor | None, scheme: str, runtime: str) -> dict[str, np.ndarray] | None:
     """An MLX affine triple as the grouped `scheme`'s parts, its codes, scales and offsets kept as they are
-    (docs/format.md §5): a lossless repack, when its bits and group size are the scheme's and its scales are in
+    (docs/format.md §4.5): a lossless repack, when its bits and group size are the scheme's and its scales are in
     the runtime dtype. None when any of that differs: the tensor is then quantized from its dequantized values."""
     kind = SCHEMES[scheme]
     if (

@@ -229,7 +229,8 @@ def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
 
 def from_mlx_words(scheme: str, words: np.ndarray) -> np.ndarray:
     """The inverse of mlx_words for any grouped scheme: MLX's uint32 words [..., w] as the scheme's packed codes
-    [rows, packed cols]. MLX packs element k of a word at bits k*bits.., LSB first, which is the scheme's own
-    packing read as little-endian words, so this is a view (a copy only for non-contiguous input)."""
+    [rows, packed cols]. Every grouped scheme packs its codes LSB first as MLX does, into words of its own width
+    (bytes for INT4, uint32 for INT3), so MLX's words read little-endian at that width are the scheme's codes: a
+    view (a copy only for non-contiguous input)."""
     words = np.ascontiguousarray(words, dtype="<u4")
     return words.reshape(rows_cols(words.shape, "words")).view(SCHEMES[scheme].word)
