@@ -102,3 +102,17 @@ def test_mx_quantize_output_unpacks_consistently(bits, group, in_dtype):
     got = ours(packed, s, z, group_size=group, scale_dtype=scale_dtype, out_dtype=scale_dtype)
     theirs = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
     assert same_bits(got, from_mx(theirs, scale_dtype))
+
+
+@pytest.mark.parametrize("scheme, bits", [("int4", 4), ("int3", 3)])
+def test_from_mlx_words_is_the_stored_packing(scheme, bits):
+    """mx.quantize's words of a 3-D expert stack as the store's codes part (rows flattened): our kernels
+    dequantize them to mx.dequantize's values, and mlx_words turns them back into the same words."""
+    words, scales, biases = mx.quantize(mx.array(weights(11, shape=(2, 4, 128))), group_size=32, bits=bits)
+    stored = rq.from_mlx_words(scheme, np.array(words))
+    assert stored.shape[0] == 8
+    s, z = (np.array(a).reshape(8, -1) for a in (scales, biases))
+    ours = rq.dequantize(scheme, stored, s, z, group_size=32, scale_dtype="float32", out_dtype="float32")
+    theirs = np.array(mx.dequantize(words, scales, biases, group_size=32, bits=bits)).reshape(8, 128)
+    assert same_bits(ours, theirs)
+    assert same_bits(np.asarray(rq.mlx_words(scheme, stored)), np.array(words).reshape(8, -1))
