@@ -4,7 +4,6 @@ rounding, and `export --to mlx -q` of a quantized store writes the store's own v
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
