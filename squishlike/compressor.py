@@ -274,7 +274,8 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
     if not entry.kind.quantized:
         return entry, array, src_dtype, None
-    if (parts := repack(triple, scheme, runtime)) is not None:
+    parts = repack(triple, scheme, runtime)
+    if parts is not None:
         entry.group_size, entry.scale_dtype = triple.group_size, runtime
         entry.reason += f"; the source's own {triple.bits}-bit values, repacked without rounding"
         return entry, array, src_dtype, parts
