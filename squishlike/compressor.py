@@ -28,7 +28,6 @@ from .formats import QuantizedTensor
 from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
 from .npydir.manifest import encode_key
 from .quant.schemes import SCHEMES, rows_cols
-from .hub import resolve_local
 from .provider import WeightProvider
 from .io.atomic import make_temp_dir, publish_dir, read_json, remove_stale_temps, write_json
 from .io.checksum import file_record
@@ -107,9 +106,8 @@ def compress(
     opts.validate()
     out = Path(out).expanduser().absolute()
     _check_output(out, opts.force)
-    source = resolve_local(src) or src
     started = time.perf_counter()
-    with WeightProvider.open(source) as provider:
+    with WeightProvider.open(src) as provider:
         out.parent.mkdir(parents=True, exist_ok=True)
         with exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"):
             _check_output(out, opts.force)  # it may have appeared while we waited

@@ -46,6 +46,23 @@ class MissingTensorError(SquishError, KeyError):
         return self.args[0]
 
 
+class ModelNotFoundError(SquishError, FileNotFoundError):
+    """A model reference is neither a local path nor a Hugging Face repo that can be had (offline and not cached,
+    no such repo, gated, no such revision)."""
+
+    def __init__(self, ref: str, problem: str):
+        self.ref = ref
+        self.problem = problem
+        super().__init__(f"{ref}: {problem}")
+
+    def __str__(self) -> str:  # FileNotFoundError would format it as "[Errno ...]"
+        return self.args[0]
+
+
+class IncompatibleVersionError(SquishError, RuntimeError):
+    """An installed package is outside the versions a squishlike seam into it was tested on."""
+
+
 class OutputExistsError(SquishError, FileExistsError):
     """compress/export refuses to write into an existing, non-empty output without --force."""
 

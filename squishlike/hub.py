@@ -1,21 +1,77 @@
-"""Where a model reference points on this machine: a local path, or a Hugging Face repo already in the local
-cache, resolved offline the way mlx_lm does (squishlike never downloads)."""
+"""Where a model reference points on this machine, found as `mlx_lm.load` finds it.
+
+An existing path is itself. Otherwise a Hugging Face repo id goes through mlx_lm's own download
+(`mlx_lm.utils._download`: huggingface_hub's `snapshot_download` with mlx_lm's allow patterns), so the local cache,
+`HF_HUB_CACHE`, `HF_HUB_OFFLINE` and `revision` behave exactly as they do for mlx_lm. An Ollama `name:tag` (not a
+repo id) is left for the provider to resolve.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import ModelNotFoundError
 
-def resolve_local(path_or_repo: str | Path, revision: str | None = None) -> Path | None:
-    """The local path for `path_or_repo`, or None when it is neither a path nor a cached repo id."""
+
+def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path | str:
+    """The local path of `path_or_repo`: the path itself, or the snapshot of the repo it names (downloaded unless
+    cached). What is neither comes back unchanged. ModelNotFoundError says why a repo could not be had."""
     path = Path(path_or_repo).expanduser()
-    if path.exists():
-        return path
-    # Imported here: a local path (the common case, and the fast-load path) needs none of huggingface_hub.
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    if path.exists() or not is_repo_id(str(path_or_repo)):
+        return path if path.exists() else str(path_or_repo)
+    from .formats.ollama import OllamaReader  # an untagged Ollama name ("llama3") is a valid repo id too
+
+    if OllamaReader.resolve(str(path_or_repo)) is not None:
+        return str(path_or_repo)
+    return download(str(path_or_repo), revision)
+
+
+def is_repo_id(ref: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
-        return Path(snapshot_download(str(path_or_repo), revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, ValueError, OSError):
-        return None
+        validate_repo_id(ref)
+    except HFValidationError:
+        return False
+    return True
+
+
+def download(repo: str, revision: str | None = None) -> Path:
+    """The snapshot of `repo` in the local Hugging Face cache, fetched by mlx_lm's download when not there."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from mlx_lm.utils import _download
+
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        return Path(_download(repo, revision=revision))
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise ModelNotFoundError(
+                repo,
+                f"no such file or directory, and the Hugging Face repo {repo}{at} is not in the local cache "
+                f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE is set; fetch it with "
+                f"`huggingface-cli download {repo}`, or unset HF_HUB_OFFLINE to let squishlike download it",
+            ) from None
+        raise ModelNotFoundError(
+            repo,
+            f"no such file or directory, and the Hugging Face repo {repo}{at} is neither in the local cache "
+            f"({constants.HF_HUB_CACHE}) nor reachable on the Hub; check the network, or fetch it elsewhere with "
+            f"`huggingface-cli download {repo}`",
+        ) from None
+    except GatedRepoError:
+        raise ModelNotFoundError(
+            repo, f"the Hugging Face repo {repo} is gated; accept its terms on the Hub, then `huggingface-cli login`"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            repo,
+            f"no such file or directory, and no Hugging Face repo {repo} (a private repo needs `huggingface-cli login`)",
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(repo, f"the Hugging Face repo {repo} has no revision {revision!r}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .hub import resolve
 from .npydir import NpyDir, is_npydir
 from .provider import WeightProvider
 from .io.sentinel import read_sentinel, verify_files
@@ -12,6 +13,7 @@ from .tiers import ORDER, tier_status
 
 def inspect_model(path: str | Path) -> dict:
     """Format, config, tensor table; for an npy-dir also each tier's state and size, and the quality figures."""
+    path = resolve(path)
     with WeightProvider.open(path) as provider:
         report = {
             "path": str(path),
@@ -43,7 +45,7 @@ def inspect_model(path: str | Path) -> dict:
 
 def verify(path: str | Path) -> list[str]:
     """Re-read every file of the store and of each ready tier against its checksum. [] means all is well."""
-    store = NpyDir(path)
+    store = NpyDir(resolve(path))
     recorded = {**store.part_files(), **store.manifest.side_files}
     problems = verify_files(store.path, {rel: record.to_json() for rel, record in recorded.items()})
     for tier in ORDER:

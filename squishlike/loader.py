@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .npydir import NpyDir
-from .hub import resolve_local
+from .hub import resolve
 from .tiers import load_weights, prepare_memory, release_memory
 
 if TYPE_CHECKING:
@@ -47,10 +47,10 @@ def load(
     not ready raises TierNotReadyError. Without it the fastest ready tier wins, and the first load of a fresh
     npy-dir dequantizes the store and builds the caches for every later process.
     """
-    path = resolve_local(path_or_hf_repo, revision)
+    path = resolve(path_or_hf_repo, revision)
     options = {"tokenizer_config": tokenizer_config, "model_config": model_config, "lazy": lazy,
                "trust_remote_code": trust_remote_code}
-    if path is not None and NpyDir.is_npydir(path):
+    if NpyDir.is_npydir(path):
         store = NpyDir(path)
         prepare_memory(store, tier, lazy)  # fault in the weights' memory on a background thread
         try:
@@ -73,7 +73,7 @@ def load(
         from .model import provider_model
         from .provider import WeightProvider
 
-        with WeightProvider.open(path if path is not None else path_or_hf_repo) as provider:
+        with WeightProvider.open(path) as provider:
             model, tokenizer, config = provider_model(provider, **options)
     if adapter_path is not None:
         from mlx_lm.utils import load_adapters

@@ -21,6 +21,7 @@ from .arch import Architecture, Need, Rule, architecture_for
 from .config import ModelConfig
 from .errors import MissingTensorError, UnsupportedArchitectureError
 from .formats import FormatReader, QuantizedTensor, open_reader
+from .hub import resolve
 from .io.atomic import write_json
 
 # Config keys that describe how a source stores its tensors quantized; the provider hands out dense tensors.
@@ -50,10 +51,12 @@ class WeightProvider:
 
     @classmethod
     def open(cls, path: str | PathLike, *, ollama_root: str | PathLike | None = None) -> WeightProvider:
-        """Open a model file or directory in any format squishlike reads, or an Ollama `name:tag`."""
+        """Open a model file or directory in any format squishlike reads, an Ollama `name:tag`, or a Hugging Face
+        repo id (downloaded as mlx_lm.load downloads it, squishlike.hub)."""
         path = Path(path)
         if not path.exists():
-            path = _resolve_ollama(str(path), ollama_root) or path  # open_reader names the path it could not find
+            # what is none of these stays a path, and open_reader names the path it could not find
+            path = _resolve_ollama(str(path), ollama_root) or resolve(str(path))
         reader = open_reader(path)
         try:
             return cls(reader)

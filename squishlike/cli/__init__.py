@@ -2,7 +2,9 @@
 
 Each subcommand is a module of this package, named in SUBCOMMANDS, with `HELP` (one line for the command list), a
 docstring (its description), `add_arguments(parser)` and `run(args) -> int`. A module imports what it works with
-inside `run`, so that building the parser stays fast.
+inside `run`, so that building the parser stays fast. A module that runs one of mlx_lm's tools names it in
+`MLX_LM_TOOL` (squishlike/mlx_lm_tools.py): the flags its own parser does not know, `--help` included, reach `run`
+as `args.tool_argv`, for that tool's parser to read.
 
 Exit codes: 0 success, 1 a failure while working (disk full, corrupt data, busy directory), 2 a usage error
 (bad option, missing or unknown model, output exists, tier not ready), as argparse itself does.
@@ -17,7 +19,7 @@ import sys
 from .. import __version__
 from ..errors import DirectoryBusyError, IntegrityError, SquishError
 
-SUBCOMMANDS = ("compress", "generate", "inspect", "verify", "export", "eval", "bench", "demo")
+SUBCOMMANDS = ("compress", "generate", "chat", "server", "inspect", "verify", "export", "eval", "bench", "demo")
 USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, SquishError)
 RUNTIME_ERRORS = (IntegrityError, DirectoryBusyError)
 
@@ -32,15 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         command = importlib.import_module(f"{__name__}.{name}")
-        command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__)
+        forwards = hasattr(command, "MLX_LM_TOOL")
+        command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=not forwards)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(run=command.run)
+        command_parser.set_defaults(run=command.run, forwards=forwards)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, tool_argv = parser.parse_known_args(argv)
+    if tool_argv and not args.forwards:
+        parser.error(f"unrecognized arguments: {' '.join(tool_argv)}")
+    args.tool_argv = tool_argv
     if getattr(args, "fast_blas", False):  # float32 forward passes: 15x faster with the system OpenBLAS
         from ..openblas import reexec_with_openblas
 

@@ -1,0 +1,53 @@
+"""mlx_lm's own command-line tools (`server`, `chat`, `generate`), run with models loaded by `squishlike.load`.
+
+The seam: each of those mlx_lm modules binds `load` from mlx_lm.utils at import (`from .utils import load`) and
+calls it by that module-level name, with `mlx_lm.load`'s arguments. `run_tool` rebinds that name to
+`squishlike.load` for the run, then calls the tool's own `main()`, which parses its own flags from `sys.argv`;
+everything else (HTTP API, chat loop, sampling, streaming, the tokens/s lines) is mlx_lm's code, unchanged.
+The seam was read and tested on the mlx_lm series in TESTED_MLX_LM only; on any other it refuses, naming the
+version, rather than half-work.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from typing import Any
+
+from .errors import IncompatibleVersionError
+
+TESTED_MLX_LM = "0.32"  # the minor series whose server.py, chat.py and generate.py this seam was checked against
+TOOLS = ("server", "chat", "generate")
+
+
+def check_mlx_lm_version(version: str) -> None:
+    if version.split(".")[:2] != TESTED_MLX_LM.split("."):
+        raise IncompatibleVersionError(
+            f"mlx_lm {version} is installed, but squishlike runs mlx_lm's server, chat and generate only on mlx_lm "
+            f"{TESTED_MLX_LM}.x, the series this seam is tested on; install mlx-lm=={TESTED_MLX_LM}.*"
+        )
+
+
+def run_tool(tool: str, argv: list[str], **load_options: Any) -> None:
+    """Run `mlx_lm <tool> ARGV` with squishlike.load(..., **load_options) as its loader (`tier=`, say)."""
+    import mlx_lm
+    import mlx_lm.utils
+
+    from .loader import load
+
+    check_mlx_lm_version(mlx_lm.__version__)
+    module = importlib.import_module(f"mlx_lm.{tool}")
+    if getattr(module, "load", None) is not mlx_lm.utils.load:
+        raise IncompatibleVersionError(
+            f"mlx_lm {mlx_lm.__version__}: mlx_lm.{tool} no longer calls mlx_lm.utils.load by its module-level "
+            f"name `load`, the seam squishlike replaces"
+        )
+    saved_argv = sys.argv
+    module.load = functools.partial(load, **load_options)
+    sys.argv = [f"squishlike {tool}", *argv]  # argparse names the program after argv[0]
+    try:
+        module.main()
+    finally:
+        module.load = mlx_lm.utils.load
+        sys.argv = saved_argv
