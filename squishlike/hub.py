@@ -71,7 +71,8 @@ def download(repo: str, revision: str | None = None) -> Path:
     except RepositoryNotFoundError:
         raise ModelNotFoundError(
             repo,
-            f"no such file or directory, and no Hugging Face repo {repo} (a private repo needs `huggingface-cli login`)",
+            f"no such file or directory, and no Hugging Face repo {repo} "
+            "(a private repo needs `huggingface-cli login`)",
         ) from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(repo, f"the Hugging Face repo {repo} has no revision {revision!r}") from None

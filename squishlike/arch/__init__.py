@@ -154,12 +154,22 @@ def architectures() -> list[Architecture]:
 
 
 def architecture_for(model_type: str) -> Architecture:
-    """The family for a config.json `model_type`. UnsupportedArchitectureError lists the ones we have."""
+    """The family for a config.json `model_type`. UnsupportedArchitectureError says whether mlx_lm builds it at
+    all (in mlx_lm's words when it does not) and lists the ones we have."""
     for arch in architectures():
         if model_type in arch.model_types:
             return arch
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes({"model_type": model_type})
+    except ValueError as e:  # "Model type X not supported.", as mlx_lm.load says it
+        raise UnsupportedArchitectureError(f"{e} mlx_lm has no model of that type, so neither has squishlike") from None
     known = sorted(t for a in architectures() for t in a.model_types)
-    raise UnsupportedArchitectureError(f"model_type {model_type!r} is not supported (supported: {', '.join(known)})")
+    raise UnsupportedArchitectureError(
+        f"model_type {model_type!r}: mlx_lm builds it, but squishlike has no family table for it "
+        f"(supported: {', '.join(known)})"
+    )
 
 
 def architecture_for_gguf(gguf_arch: str) -> Architecture:

@@ -35,6 +35,11 @@ def detect_format(path: str | Path) -> type[FormatReader]:
     for reader in reader_classes():
         if reader.detect(path):
             return reader
+    # the two half-models mlx_lm.load names, in its words
+    if path.is_dir() and (path / "config.json").is_file():
+        raise UnknownFormatError(path, f"No safetensors found in {path}: it has a config.json but no *.safetensors")
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        raise UnknownFormatError(path, "config.json not found: it has *.safetensors weights but no config.json")
     raise UnknownFormatError(
         path,
         "not a model squishlike reads (looked for: squishlike npy-dir manifest.json, Ollama manifest, "

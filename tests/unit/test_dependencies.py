@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # (distribution, module, attribute path, the parameters squishlike calls or overrides it with)
 PRIVATE_APIS = [
     ("mlx-lm", "mlx_lm.utils", "_get_classes", ["config"]),
+    ("mlx-lm", "mlx_lm.utils", "_download", ["path_or_hf_repo", "revision", "allow_patterns"]),
     (
         "transformers",
         "transformers.integrations.gguf.gguf_tokenizer_mapping",
@@ -116,3 +117,17 @@ def test_gguf_tokenizer_mapping_has_the_groups_squishlike_reads():
     where = f"transformers {importlib.metadata.version('transformers')}"
     missing = {"tokenizer", "tokenizer_config"} - GGUF_TOKENIZER_MAPPING.keys()
     assert not missing, f"{where}: GGUF_TOKENIZER_MAPPING lost the groups {sorted(missing)} that squishlike reads"
+
+
+def test_mlx_lm_tools_still_call_the_loader_squishlike_rebinds():
+    import mlx_lm
+    import mlx_lm.utils
+
+    from squishlike.mlx_lm_tools import TESTED_MLX_LM, TOOLS
+
+    assert mlx_lm.__version__.startswith(f"{TESTED_MLX_LM}."), (
+        f"mlx_lm {mlx_lm.__version__} is installed; squishlike's seam into its tools is tested on {TESTED_MLX_LM}.x"
+    )
+    for tool in TOOLS:
+        module = importlib.import_module(f"mlx_lm.{tool}")
+        assert module.load is mlx_lm.utils.load, f"mlx_lm.{tool} no longer calls mlx_lm.utils.load as `load`"
