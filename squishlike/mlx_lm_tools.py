@@ -10,6 +10,7 @@ version, rather than half-work.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import sys
@@ -51,3 +52,17 @@ def run_tool(tool: str, argv: list[str], **load_options: Any) -> None:
     finally:
         module.load = mlx_lm.utils.load
         sys.argv = saved_argv
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """`add_arguments` of the subcommands that run a tool: `--tier` is squishlike's; every other flag, `--help`
+    included, is the tool's own and reaches `run_tool_command` unparsed (squishlike/cli)."""
+    from .tiers import TIER_NAMES
+
+    parser.add_argument("--tier", choices=TIER_NAMES, help="force this tier of every npy-dir the tool loads")
+
+
+def run_tool_command(args: argparse.Namespace) -> int:
+    """`run` of the subcommands that run a tool: the tool named by the subcommand's MLX_LM_TOOL, on its flags."""
+    run_tool(args.mlx_lm_tool, args.tool_argv, tier=args.tier)
+    return 0

@@ -34,17 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         command = importlib.import_module(f"{__name__}.{name}")
-        forwards = hasattr(command, "MLX_LM_TOOL")
-        command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=not forwards)
+        tool = getattr(command, "MLX_LM_TOOL", None)
+        command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(run=command.run, forwards=forwards)
+        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, tool_argv = parser.parse_known_args(argv)
-    if tool_argv and not args.forwards:
+    if tool_argv and args.mlx_lm_tool is None:
         parser.error(f"unrecognized arguments: {' '.join(tool_argv)}")
     args.tool_argv = tool_argv
     if getattr(args, "fast_blas", False):  # float32 forward passes: 15x faster with the system OpenBLAS

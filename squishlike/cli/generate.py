@@ -6,21 +6,7 @@ tier of an npy-dir."""
 
 from __future__ import annotations
 
-import argparse
+from ..mlx_lm_tools import add_tool_arguments as add_arguments, run_tool_command as run  # noqa: F401
 
 HELP = "generate text, as `mlx_lm generate` (its flags), plus --tier"
 MLX_LM_TOOL = "generate"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--tier` is squishlike's; every other flag is mlx_lm.generate's own, parsed by it."""
-    from ..tiers import TIER_NAMES
-
-    parser.add_argument("--tier", choices=TIER_NAMES, help="force a tier of an npy-dir")
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..mlx_lm_tools import run_tool
-
-    run_tool(MLX_LM_TOOL, args.tool_argv, tier=args.tier)
-    return 0
