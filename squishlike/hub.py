@@ -17,13 +17,16 @@ def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path | str
     """The local path of `path_or_repo`: the path itself, or the snapshot of the repo it names (downloaded unless
     cached). What is neither comes back unchanged. ModelNotFoundError says why a repo could not be had."""
     path = Path(path_or_repo).expanduser()
-    if path.exists() or not is_repo_id(str(path_or_repo)):
-        return path if path.exists() else str(path_or_repo)
+    if path.exists():
+        return path
+    ref = str(path_or_repo)
+    if not is_repo_id(ref):
+        return ref
     from .formats.ollama import OllamaReader  # an untagged Ollama name ("llama3") is a valid repo id too
 
-    if OllamaReader.resolve(str(path_or_repo)) is not None:
-        return str(path_or_repo)
-    return download(str(path_or_repo), revision)
+    if OllamaReader.resolve(ref) is not None:
+        return ref
+    return download(ref, revision)
 
 
 def is_repo_id(ref: str) -> bool:
