@@ -23,6 +23,7 @@ TOOLS = ("server", "chat", "generate")
 
 
 def check_mlx_lm_version(version: str) -> None:
+    """Refuse, naming it, an mlx_lm `version` outside the series the seam is tested on."""
     if version.split(".")[:2] != TESTED_MLX_LM.split("."):
         raise IncompatibleVersionError(
             f"mlx_lm {version} is installed, but squishlike runs mlx_lm's server, chat and generate only on mlx_lm "

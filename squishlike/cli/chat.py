@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from ..mlx_lm_tools import add_tool_arguments as add_arguments, run_tool_command as run  # noqa: F401
+from ..mlx_lm_tools import add_tool_arguments, run_tool_command
 
 HELP = "chat with a model in the terminal, as `mlx_lm chat`"
 MLX_LM_TOOL = "chat"
+add_arguments, run = add_tool_arguments, run_tool_command  # the shared pair of every tool subcommand

@@ -6,7 +6,8 @@ tier of an npy-dir."""
 
 from __future__ import annotations
 
-from ..mlx_lm_tools import add_tool_arguments as add_arguments, run_tool_command as run  # noqa: F401
+from ..mlx_lm_tools import add_tool_arguments, run_tool_command
 
 HELP = "generate text, as `mlx_lm generate` (its flags), plus --tier"
 MLX_LM_TOOL = "generate"
+add_arguments, run = add_tool_arguments, run_tool_command  # the shared pair of every tool subcommand

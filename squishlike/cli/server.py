@@ -4,7 +4,8 @@ directory, a GGUF file or a Hugging Face repo, and switches to it, as in mlx_lm.
 
 from __future__ import annotations
 
-from ..mlx_lm_tools import add_tool_arguments as add_arguments, run_tool_command as run  # noqa: F401
+from ..mlx_lm_tools import add_tool_arguments, run_tool_command
 
 HELP = "mlx_lm's OpenAI-compatible HTTP server, loading through squishlike (flags as `mlx_lm server`)"
 MLX_LM_TOOL = "server"
+add_arguments, run = add_tool_arguments, run_tool_command  # the shared pair of every tool subcommand
