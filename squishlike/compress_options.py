@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .dtypes import NP_STORAGE
 from .provider import WeightProvider
 from .quant.schemes import QUANTIZED, SCHEMES
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 FORMATS = QUANTIZED
 # The group sizes compress offers. INT8 is per row and ignores it; INT3 offers only the sizes its accuracy gate
@@ -61,14 +65,26 @@ def runtime_dtype(provider: WeightProvider) -> str:
     return largest.dtype if largest.dtype in NP_STORAGE else "bfloat16"
 
 
-def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions) -> tuple[str, str]:
-    """(scheme, reason) for one tensor, by rule. The reason is recorded in the manifest."""
+def weight_kinds(provider: WeightProvider, model: nn.Module | None = None) -> dict[str, str]:
+    """The provider's tensors that nn.quantize would quantize in its model, by canonical name -> "linear",
+    "embedding" or "int8" (model.quantizable_weights). `model`: the provider's model if the caller has built it."""
+    from .model import new_model, quantizable_weights  # imports mlx_lm
+
+    kinds = quantizable_weights(model if model is not None else new_model(provider.dense_config(), provider.reader.path))
+    return {name: kinds[provider.mlx_name(name)] for name in provider.names() if provider.mlx_name(name) in kinds}
+
+
+def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind: str | None) -> tuple[str, str]:
+    """(scheme, reason) for one tensor, by rule; `kind` is its weight_kinds entry (None: the model does not
+    quantize it). The reason is recorded in the manifest."""
     if any(fnmatch.fnmatchcase(name, p) for p in opts.passthrough):
         return "passthrough", "matches --passthrough"
-    if len(shape) < 2 or not name.endswith(".weight"):
-        return "passthrough", "1-D tensor (norm or bias)"
-    if not opts.quantize_embeddings and name.split(".")[0] in ("token_embedding", "output", "position_embedding"):
+    if kind is None:
+        return "passthrough", "not a weight nn.quantize quantizes (norm, bias, convolution, ...)"
+    if kind == "embedding" and not opts.quantize_embeddings:
         return "passthrough", "embedding / lm_head (pass --quantize-embeddings to quantize)"
+    if kind == "int8" and opts.format != "int8":
+        return "int8", "the model's quant_predicate keeps it at 8 bits"
     cols = shape[-1]
     need = 32 if opts.format == "int3" else opts.group_size
     if cols % opts.group_size or cols % need:

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import quant
-from .compress_options import CompressOptions, choose_scheme, runtime_dtype
+from .compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import OutputExistsError, QuantizationError
 from .formats import QuantizedTensor
@@ -213,10 +213,12 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
     source_bytes = sum(t.nbytes for t in infos.values())
     with tqdm(total=source_bytes, unit="B", unit_scale=True, desc="compress", disable=None, file=sys.stderr) as bar:
         pipeline = _Pipeline(bar)
+        kinds = weight_kinds(provider)  # the model decides what is quantized
         try:
             for name in provider.names():
                 info = infos.get(provider.source_name(name))
-                entry, array, src_dtype, parts = _quantize_tensor(provider, name, info, opts, runtime, plan)
+                entry, array, src_dtype, parts = _quantize_tensor(provider, name, info, opts, runtime, plan,
+                                                                  kinds.get(name))
                 nbytes = info.nbytes if info else array.nbytes
                 pipeline.submit(name, nbytes, _finish_tensor, tmp, entry, array, src_dtype, parts, runtime)
             pipeline.drain()
@@ -256,13 +258,15 @@ class _Pipeline:
         self._bar.update(nbytes)
 
 
-def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, runtime: str, plan):
-    """(manifest entry, values, their dtype, quantized parts or None) of one tensor, by the scheme rules. A source
-    triple the scheme can hold as it is is repacked (`repack`), never rounded a second time."""
+def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, runtime: str, plan,
+                     kind: str | None):
+    """(manifest entry, values, their dtype, quantized parts or None) of one tensor, by the scheme rules (`kind`:
+    its weight_kinds entry). A source triple the scheme can hold as it is is repacked (`repack`), never rounded a
+    second time."""
     triple = provider.get_quantized(name)
     array, src_dtype = to_numpy(provider.get(name) if triple is None else triple.dequantize())
     array = np.ascontiguousarray(array)
-    scheme, reason = choose_scheme(name, array.shape, opts)
+    scheme, reason = choose_scheme(name, array.shape, opts, kind)
     if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
         if plan.rewrites(name):
             triple = None
@@ -323,6 +327,7 @@ def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, Te
     source = Path(provider.reader.path)
     manifest = Manifest(
         model_type=provider.config.model_type,
+        naming=provider.arch.canonical_names,
         runtime_dtype=runtime,
         scheme=opts.format,
         group_size=opts.group_size,

@@ -23,6 +23,8 @@ from .io.atomic import read_json
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 
+# What a family with a rule table needs (squishlike/arch); any other mlx_lm family needs only its model_type, and
+# its ModelArgs judge the rest.
 REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 @dataclass
@@ -30,10 +32,10 @@ class ModelConfig:
     """A model's hyperparameters under transformers' names (`hidden_size`, ...), plus every other key in `extra`."""
 
     model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    vocab_size: int | None = None
     intermediate_size: int | None = None
     num_key_value_heads: int | None = None  # None: as many as attention heads
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
@@ -48,7 +50,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
+        if self.head_dim is None and self.hidden_size and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
@@ -65,17 +67,19 @@ class ModelConfig:
         if rest.get("rope_theta") is None and isinstance(rest.get("rope_parameters"), dict):
             rest["rope_theta"] = rest["rope_parameters"].get("rope_theta")
 
-        missing = [key for key in REQUIRED if rest.get(key) is None]
-        if missing:
-            raise FormatError(path, f"config is missing required keys: {', '.join(missing)}")
+        if rest.get("model_type") is None:
+            raise FormatError(path, "config is missing required keys: model_type")
         if not isinstance(rest["model_type"], str):
             raise FormatError(path, f"config's model_type is {rest['model_type']!r}, not a name")
+        family = _family(rest["model_type"])
+        missing = [key for key in REQUIRED if rest.get(key) is None] if family else []
+        if missing:
+            raise FormatError(path, f"config is missing required keys: {', '.join(missing)}")
         for key in (*REQUIRED[1:], "num_key_value_heads"):  # sizes and divisors: hostile values fail here, named
             value = rest.get(key)
             if value is not None and (not isinstance(value, Integral) or isinstance(value, bool) or value <= 0):
                 raise FormatError(path, f"config key {key} is {value!r}; it must be a positive integer")
         if "tie_word_embeddings" not in rest:
-            family = _family(rest["model_type"])
             rest["tie_word_embeddings"] = family.tie_word_embeddings_default if family else False
 
         names = {f.name for f in fields(cls)} - {"extra"}

@@ -55,6 +55,38 @@ def model_classes(
         ) from e
 
 
+def new_model(config: dict[str, Any], model_dir: Path | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """The mlx_lm model `config` describes, its parameters not loaded (random and unevaluated: no memory yet)."""
+    model_class, args_class = model_classes(config, model_dir, trust_remote_code)
+    return model_class(args_class.from_dict(config))
+
+
+def quantizable_weights(model: nn.Module) -> dict[str, str]:
+    """The weights `nn.quantize` would quantize in `model`, by parameter name -> "embedding", "linear" or "int8".
+
+    A weight qualifies when its module has `to_quantized` (nn.Linear, nn.Embedding, the expert stacks of
+    SwitchLinear, ...) and the model's own `quant_predicate`, if it has one, does not refuse it (mlx_lm.convert
+    asks the same). "int8": the predicate asks for 8 bits or more (MoE routers). "embedding": the input
+    embeddings (nn.Embedding) and the output head (`lm_head`), the tensors `compress` quantizes only when asked
+    to (--quantize-embeddings). Group-size fit is the caller's.
+    """
+    predicate = getattr(model, "quant_predicate", None)
+    kinds = {}
+    for path, module in model.named_modules():
+        if not hasattr(module, "to_quantized") or "weight" not in module:
+            continue
+        asked = True if predicate is None else predicate(path, module)
+        if asked is False:
+            continue
+        if isinstance(module, nn.Embedding) or path.rsplit(".", 1)[-1] == "lm_head":
+            kinds[f"{path}.weight"] = "embedding"
+        elif isinstance(asked, dict) and asked.get("bits", 0) >= 8:
+            kinds[f"{path}.weight"] = "int8"
+        else:
+            kinds[f"{path}.weight"] = "linear"
+    return kinds
+
+
 def build_model(
     config: dict[str, Any],
     weights: dict[str, mx.array],
@@ -65,8 +97,7 @@ def build_model(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """An mlx_lm model with `weights` loaded. Quantized layers are created where weights carry `<p>.scales`."""
-    model_class, args_class = model_classes(config, model_dir, trust_remote_code)
-    model = model_class(args_class.from_dict(config))
+    model = new_model(config, model_dir, trust_remote_code)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
 

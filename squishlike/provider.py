@@ -6,7 +6,8 @@
 
 The reader (squishlike.formats) knows the file layout and spells names its own way; the architecture
 (squishlike.arch) knows the model family: its rule table maps the reader's names (the column the reader's `naming`
-picks) to canonical ones, and its adapters turn the stored values into canonical values.
+picks) to canonical ones, and its adapters turn the stored values into canonical values. A family mlx_lm builds
+but no table describes is read through its own `sanitize` (formats/sanitized.py) and named as mlx_lm names it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from .arch import Architecture, Need, Rule, architecture_for
+from .arch import Architecture, Need, Rule, architecture_for, mlx_named
 from .config import ModelConfig
 from .errors import MissingTensorError, UnsupportedArchitectureError
 from .formats import FormatReader, QuantizedTensor, open_reader
+from .formats.sanitized import SanitizedReader
 from .hub import resolve
 from .io.atomic import write_json
 
@@ -35,18 +37,27 @@ class WeightProvider:
         self.reader = reader
         try:
             self.config = ModelConfig.from_dict(reader.config(), reader.path)
-            self.arch: Architecture = architecture_for(self.config.model_type)
-        except UnsupportedArchitectureError as e:  # say which model names the unknown architecture
+        except UnsupportedArchitectureError as e:  # a GGUF's unknown architecture: say which model names it
             if str(reader.path) in str(e):
                 raise
             raise UnsupportedArchitectureError(f"{reader.path}: {e}") from None
+        try:
+            self.arch: Architecture = architecture_for(self.config.model_type)
+        except UnsupportedArchitectureError:
+            # No rule table: mlx_lm's own names. An npy-dir of such a model stores them already ("canonical" to
+            # its reader); any other source is read through the model's sanitize, which raises a typed error
+            # naming the path when mlx_lm has no such model either.
+            if reader.naming != "canonical":
+                reader = self.reader = SanitizedReader(reader)
+            self.arch = mlx_named(self.config.model_type, reader.tensors())
         stored = reader.tensors()
+        rows = self.arch.expanded_rules(self.config.num_hidden_layers)
+        # The table column the file's names are in: the reader's, or mlx_lm's where an unquantized directory
+        # written by mlx_lm holds names that differ from HF's (GPT-2's `model.` prefix).
+        found = {naming: sum(getattr(r, naming) in stored for r in rows) for naming in (reader.naming, "mlx")}
+        self.naming = max(found, key=found.get)
         # canonical name -> rule row, for the rows whose tensor the file has, in model order
-        self._rules: dict[str, Rule] = {
-            r.canonical: r
-            for r in self.arch.expanded_rules(self.config.num_hidden_layers)
-            if getattr(r, reader.naming) in stored
-        }
+        self._rules: dict[str, Rule] = {r.canonical: r for r in rows if getattr(r, self.naming) in stored}
         self._check_needed()
 
     @classmethod
@@ -77,7 +88,7 @@ class WeightProvider:
 
     def source_name(self, name: str) -> str:
         """The name the file gives the canonical tensor `name`."""
-        return getattr(self._rule(name), self.reader.naming)
+        return getattr(self._rule(name), self.naming)
 
     def mlx_name(self, name: str) -> str:
         """The mlx_lm model parameter `name` binds to (after the model's `sanitize`)."""
@@ -86,12 +97,12 @@ class WeightProvider:
     def get(self, name: str) -> mx.array:
         """The canonical tensor `name`, dequantized if stored quantized, in its canonical orientation and values."""
         array = self.reader.read(self.source_name(name))
-        return self.arch.to_canonical(self.reader.naming, name, array, self.config)
+        return self.arch.to_canonical(self.naming, name, array, self.config)
 
     def get_quantized(self, name: str) -> QuantizedTensor | None:
         """The MLX quantized triple when the file stores `name` so and its values need no adapter (an adapter works
         on values, not on packed data: a permuted GGUF Q is dequantized by `get` instead). Else None."""
-        if self.arch.adapters_for(self.reader.naming, name):
+        if self.arch.adapters_for(self.naming, name):
             return None
         return self.reader.read_quantized(self.source_name(name))
 
@@ -151,7 +162,8 @@ class WeightProvider:
 
     def dense_config(self) -> dict:
         """The config.json dict for the tensors `get` returns: dequantized, so without the source's quantization."""
-        config = self.config.to_dict()
+        # A tableless family's config goes to mlx_lm as the source wrote it: its ModelArgs are the only judge.
+        config = self.config.to_dict() if self.arch.canonical_names == "canonical" else dict(self.reader.config())
         for key in QUANTIZATION_KEYS:
             config.pop(key, None)
         return config
@@ -184,7 +196,7 @@ class WeightProvider:
         needed = {Need.ALWAYS} | ({Need.WHEN_UNTIED} if not self.config.tie_word_embeddings else set())
         for r in self.arch.expanded_rules(self.config.num_hidden_layers):
             if r.need in needed and r.canonical not in self._rules:
-                source = getattr(r, self.reader.naming)
+                source = getattr(r, self.naming)
                 problem = f"tensor is missing (the file would call it {source})"
                 raise MissingTensorError(self.reader.path, r.canonical, problem)
 

@@ -32,3 +32,13 @@ def smollm_gguf() -> Path:
         return default_model_path()
     except FileNotFoundError as e:  # scripts/install.sh installs it; without it these tests cannot run
         pytest.fail(str(e))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `archsweep` run only when asked for (`-m archsweep`, as scripts/test.sh does)."""
+    if "archsweep" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="part of the whole architecture sweep: run with -m archsweep")
+    for item in items:
+        if "archsweep" in item.keywords:
+            item.add_marker(skip)

@@ -13,16 +13,20 @@ transposition), an `Adapter` converts between them. Canonical tensors are always
 `sanitize`: Linear weights `[out, in]`, norms as stored by HF.
 
 A reader's `naming` ("hf", "gguf", "mlx" or "canonical") picks the column, so nothing here knows file layouts.
+
+Every other family mlx_lm builds has no table: its tensors go by mlx_lm's own parameter names, after the model's
+`sanitize` (`mlx_named`). Those names are then its canonical names, in every column.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from importlib import import_module
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..errors import UnsupportedArchitectureError
 
@@ -83,6 +87,10 @@ class Adapter:
 @dataclass(frozen=True)
 class Architecture:
     """One model family: its rule table, its adapters, and the config facts that differ between its formats."""
+
+    # Which names the canonical column holds: squishlike's own ("canonical") or mlx_lm's ("mlx", see mlx_named).
+    # An npy-dir records it (docs/format.md §2).
+    canonical_names: ClassVar[str] = "canonical"
 
     model_types: tuple[str, ...]  # config.json `model_type` values; the first is the one we write
     gguf_arch: str  # GGUF `general.architecture`
@@ -145,6 +153,31 @@ class Architecture:
         return array
 
 
+@dataclass(frozen=True)
+class MlxNamed(Architecture):
+    """A family without a rule table: one identity row per mlx_lm parameter name, no adapters."""
+
+    canonical_names: ClassVar[str] = "mlx"
+
+    @cached_property
+    def _rows(self) -> dict[str, Rule]:
+        return {r.canonical: r for r in self.rules}
+
+    def expanded_rules(self, num_layers: int | None) -> list[Rule]:
+        return list(self.rules)
+
+    def _rule(self, canonical: str) -> Rule:
+        try:
+            return self._rows[canonical]
+        except KeyError:
+            raise KeyError(f"{canonical}: not a parameter of this {self.model_type} model") from None
+
+
+def mlx_named(model_type: str, names: Iterable[str]) -> Architecture:
+    """The family of an mlx_lm model without a rule table, whose tensors are `names` (mlx_lm's, after sanitize)."""
+    return MlxNamed(model_types=(model_type,), gguf_arch="", rules=tuple(Rule(n, n, n, n) for n in names))
+
+
 # Family modules, imported on first use; each exports ARCHITECTURES: a list of Architecture.
 FAMILIES = ("llama", "qwen", "gemma", "gpt2")
 
@@ -186,6 +219,7 @@ def architecture_for_gguf(gguf_arch: str) -> Architecture:
 __all__ = [
     "Adapter",
     "Architecture",
+    "MlxNamed",
     "NAMINGS",
     "Need",
     "Rule",
@@ -193,5 +227,6 @@ __all__ = [
     "architecture_for",
     "architecture_for_gguf",
     "architectures",
+    "mlx_named",
     "rule",
 ]

@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..compress_options import CompressOptions, choose_scheme, runtime_dtype
+from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
@@ -61,6 +61,7 @@ class _SourceWeights:
     def __init__(self, provider, model: nn.Module, opts: CompressOptions, runtime: str):
         self.provider, self.opts = provider, opts
         self.params = dict(tree_flatten(model.parameters()))
+        self.kinds = weight_kinds(provider, model)
         self.base = Quantizer(opts.format, opts.group_size, runtime, opts.clip_search)
         self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.group_size, runtime)
 
@@ -72,7 +73,7 @@ class _SourceWeights:
 
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        scheme, _ = choose_scheme(name, self.shape(name), self.opts)
+        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
         return self.base if scheme == self.opts.format else None
 
 

@@ -228,6 +228,11 @@ class Policy:
         return {"tiers": list(self.tiers)}
 
 
+# What a store's tensor names are (docs/format.md §2): squishlike's canonical names from a family's rule table, or
+# mlx_lm's own parameter names (after the model's sanitize) for a family without one.
+NAMINGS = ("canonical", "mlx")
+
+
 @dataclass
 class Manifest:
     model_type: str
@@ -241,9 +246,10 @@ class Manifest:
     side_files: dict[str, FileRecord] = field(default_factory=dict)  # config and tokenizer files, by file name
     int3_gate: dict[str, Any] | None = None  # the INT3 accuracy gate's verdict ("passed", figures, reason)
     extra: dict[str, Any] = field(default_factory=dict)  # calibration records (awq, mixed_precision, ...), as written
+    naming: str = "canonical"  # one of NAMINGS; absent in a manifest: "canonical"
 
-    _FIELDS = ("format", "format_version", "model_type", "runtime_dtype", "scheme", "group_size", "clip_search",
-               "source", "policy", "tensors", "side_files", "int3_gate")
+    _FIELDS = ("format", "format_version", "model_type", "naming", "runtime_dtype", "scheme", "group_size",
+               "clip_search", "source", "policy", "tensors", "side_files", "int3_gate")
 
     @classmethod
     def from_json(cls, raw: Any, path: Path) -> Manifest:
@@ -256,6 +262,8 @@ class Manifest:
             raise FormatError(path, f"unknown runtime_dtype {raw.get('runtime_dtype')!r}")
         if not isinstance(raw.get("tensors"), dict):
             raise FormatError(path, "has no tensor table")
+        if raw.get("naming", "canonical") not in NAMINGS:
+            raise FormatError(path, f"unknown naming {raw['naming']!r}; a store is named by {' or '.join(NAMINGS)}")
         side = raw.get("side_files", {})
         if not isinstance(side, dict):
             raise FormatError(path, "side_files is not a table of file names")
@@ -275,6 +283,7 @@ class Manifest:
                 side_files={rel: FileRecord.from_json(r) for rel, r in side.items()},
                 int3_gate=_typed(raw["int3_gate"], dict, "int3_gate") if "int3_gate" in raw else None,
                 extra={k: v for k, v in raw.items() if k not in cls._FIELDS},
+                naming=raw.get("naming", "canonical"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(path, f"bad manifest field ({type(e).__name__}: {e})") from None
@@ -291,6 +300,7 @@ class Manifest:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "model_type": self.model_type,
+            "naming": self.naming,
             "runtime_dtype": self.runtime_dtype,
             "scheme": self.scheme,
             "group_size": self.group_size,

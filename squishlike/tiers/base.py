@@ -66,5 +66,7 @@ def runtime_bytes(store: NpyDir) -> int:
 
 def mlx_names(store: NpyDir) -> dict[str, str]:
     """canonical name -> mlx_lm parameter name, for every tensor of the store."""
+    if store.manifest.naming == "mlx":
+        return {name: name for name in store.entries}
     arch = architecture_for(store.manifest.model_type)
     return {name: arch.mlx_name(name) for name in store.entries}

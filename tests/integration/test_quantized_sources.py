@@ -14,7 +14,6 @@ from mlx.utils import tree_flatten
 
 import squishlike
 from squishlike.compressor import compress
-from squishlike.errors import UnsupportedArchitectureError
 from squishlike.exporter import export
 from squishlike.npydir import NpyDir
 from squishlike.tiers.base import mlx_names
@@ -87,8 +86,6 @@ def test_load_keeps_per_layer_overrides(tmp_path, tokenizer_dir):
     assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
 
 
-@pytest.mark.xfail(strict=True, raises=UnsupportedArchitectureError,
-                   reason="mixture-of-experts families load once the provider reads every mlx_lm architecture")
 def test_load_keeps_expert_stacks_quantized(tmp_path, tokenizer_dir):
     mixtral = {**TINY_CONFIGS["llama"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
     source = mlx_quantized(tmp_path, tokenizer_dir, mixtral, q_bits=4, q_group_size=64)

@@ -8,13 +8,12 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from squishlike.model import model_classes
+from squishlike.model import new_model, quantizable_weights
 
 # Shapes divisible by every group size (32, 64, 128) so each tensor can take each scheme.
-_BASE = dict(
+BASE = dict(
     hidden_size=128,
     num_hidden_layers=2,
     intermediate_size=256,
@@ -27,12 +26,12 @@ _BASE = dict(
 )
 
 TINY_CONFIGS = {
-    "llama": {**_BASE, "model_type": "llama", "tie_word_embeddings": False},
+    "llama": {**BASE, "model_type": "llama", "tie_word_embeddings": False},
     # qwen2 has q/k/v biases; tied embeddings.
-    "qwen2": {**_BASE, "model_type": "qwen2", "tie_word_embeddings": True},
-    "qwen3": {**_BASE, "model_type": "qwen3", "head_dim": 32, "tie_word_embeddings": True},
+    "qwen2": {**BASE, "model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {**BASE, "model_type": "qwen3", "head_dim": 32, "tie_word_embeddings": True},
     "gemma3_text": {
-        **_BASE,
+        **BASE,
         "model_type": "gemma3_text",
         "head_dim": 32,
         "query_pre_attn_scalar": 32,
@@ -65,16 +64,26 @@ def make_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.float32, seed: int = 0) -> Path:
-    """Write a random-weight model of `config`'s architecture as an HF directory (model.safetensors + config)."""
+def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.float32, seed: int = 0,
+                  row_spread: float = 0.0) -> Path:
+    """Write a random-weight model of `config`'s architecture as an HF directory (model.safetensors + config),
+    under the model's own parameter names (which its sanitize keeps, as in an mlx_lm.convert output).
+
+    `row_spread`: the log-normal spread of the norms of the embedding and output-head rows. Trained models have
+    it (frequent tokens have large rows), and it gives them confident top-1 choices; a random model with rows of
+    one size has near-ties everywhere, which any rounding of its weights flips."""
     mx.random.seed(seed)
-    model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
-    # Random norms too, so a misplaced or dropped norm weight changes the logits.
-    params = {
-        k: (mx.random.normal(v.shape) * 0.1 + 1.0 if v.ndim == 1 else v).astype(dtype)
-        for k, v in tree_flatten(model.parameters())
-    }
+    model = new_model(config)
+    heads = {name for name, kind in quantizable_weights(model).items() if kind == "embedding"}
+
+    def randomized(name: str, v: mx.array) -> mx.array:
+        if v.ndim == 1:  # random norms too, so a misplaced or dropped norm weight changes the logits
+            return mx.random.normal(v.shape) * 0.1 + 1.0
+        if name in heads and row_spread:
+            return v * mx.exp(row_spread * mx.random.normal((v.shape[0], 1)))
+        return v
+
+    params = {k: randomized(k, v).astype(dtype) for k, v in tree_flatten(model.parameters())}
     directory.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"), params, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=1))
@@ -100,9 +109,10 @@ def dense_params(model) -> dict[str, mx.array]:
     """Every weight as a dense array, dequantizing quantized layers, keyed as the dense model would be."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if "scales" in module:  # QuantizedLinear, QuantizedEmbedding, QuantizedSwitchLinear
             out[f"{name}.weight"] = mx.dequantize(
-                module.weight, module.scales, module.biases, group_size=module.group_size, bits=module.bits
+                module.weight, module.scales, module.get("biases"), group_size=module.group_size, bits=module.bits,
+                mode=getattr(module, "mode", "affine"),
             )
     for name, value in flat_params(model).items():
         prefix = name.rsplit(".", 1)[0]

@@ -122,9 +122,9 @@ def test_quantized_triples_and_their_fusion(tmp_path):
 
 def test_unsupported_architecture_and_unknown_paths(tmp_path):
     _, config, weights = random_model("llama")
-    mamba = {"backbone.embeddings.weight": weights["token_embedding.weight"]}
-    write_hf(tmp_path, config.to_dict() | {"model_type": "mamba"}, mamba)
-    with pytest.raises(UnsupportedArchitectureError, match="mamba"):
+    unknown = {"backbone.embeddings.weight": weights["token_embedding.weight"]}
+    write_hf(tmp_path, config.to_dict() | {"model_type": "not_an_mlx_lm_model"}, unknown)
+    with pytest.raises(UnsupportedArchitectureError, match=rf"{tmp_path}.*'not_an_mlx_lm_model'"):
         open_weights(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnknownFormatError):
