@@ -51,7 +51,7 @@ def model_classes(
         return _get_classes(config)
     except ValueError as e:
         raise UnsupportedArchitectureError(
-            f"{model_dir or 'config.json'}: model_type {config['model_type']!r} is not an mlx_lm architecture"
+            f"{model_dir or 'config.json'}: {e} mlx_lm has no model of that type, so neither has squishlike"
         ) from e
 
 
