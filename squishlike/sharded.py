@@ -202,6 +202,8 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
             return tier.load(store).weights, tier.name, tier.nbytes(store)
         except (FormatError, OSError, ValueError, RuntimeError) as e:
             warnings.warn(f"{store.path / tier.sentinel}: unreadable ({e}); reading the store and rebuilding it")
+            with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
+                tier.invalidate(store)
     canonical = {mlx: name for name, mlx in mlx_names(store).items()}
     reader = SliceReader(store)
     dense = {}
