@@ -58,15 +58,18 @@ def _free_ports(n: int) -> int:
     raise RuntimeError("no free ports on 127.0.0.1")
 
 
-def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> list[dict]:
-    """Run tests/support/shard_rank.py on RANKS ranks; return each rank's logits and load record. Bounded in time;
-    the whole process group is killed on a timeout."""
-    out.mkdir(parents=True, exist_ok=True)
+def _env() -> dict[str, str]:
+    """The environment of every process a test starts: this checkout's squishlike first."""
+    return {**os.environ, "PYTHONPATH": str(Path(squishlike.__file__).parents[1])}
+
+
+def _run_launch(command: list[str]) -> str:
+    """`mlx.launch -n RANKS --backend ring` of `command` on 127.0.0.1; its output. Bounded in time: on a timeout
+    the whole process group is killed."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)),
-               sys.executable, shard_rank.__file__, str(model), mode, str(out)] + ([str(reference)] if reference else [])
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(Path(squishlike.__file__).parents[1])})
+    process = subprocess.Popen(
+        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), *command],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env())
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -76,8 +79,17 @@ def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> 
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> list[dict]:
+    """tests/support/shard_rank.py on RANKS ranks: each rank's logits and load record."""
+    out.mkdir(parents=True, exist_ok=True)
+    output = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
+                          *([str(reference)] if reference else [])])
     # mlx.launch exits 0 even when a rank fails: every rank must have written its results
-    assert process.returncode == 0 and all((out / f"rank{r}.json").exists() for r in range(RANKS)), output[-4000:]
+    assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), output[-4000:]
     return [{**dict(np.load(out / f"rank{r}.npz")), "load": json.loads((out / f"rank{r}.json").read_text())[0]}
             for r in range(RANKS)]
 
@@ -148,3 +160,17 @@ def test_sharded_provider_source(tmp_path, tokenizer_dir):
         assert result["load"]["tier"] == "hf"
         assert np.array_equal(result["ours"], result["mlx_lm"])
     assert not (src / "shards").exists()
+
+
+def test_generate_under_mlx_launch(tmp_path, tokenizer_dir):
+    """`squishlike generate --sharded pipeline` under mlx.launch: rank 0 prints what a single process generates
+    (pipeline stages run the same float ops), and no other rank prints."""
+    src = make_hf_model(tmp_path / "src", TINY_CONFIGS["qwen2"], tokenizer_dir)
+    squishlike.compress(src, tmp_path / "store", format="int8", tiers=[])
+    generate = ["generate", "--model", str(tmp_path / "store"), "--prompt", "The capital of France", "--max-tokens",
+                "6", "--no-chat-template"]
+    single = subprocess.run([sys.executable, "-m", "squishlike", *generate], capture_output=True, text=True,
+                            timeout=LAUNCH_TIMEOUT_S, env=_env())
+    assert single.returncode == 0 and single.stdout.strip(), single.stderr
+    output = _run_launch([sys.executable, "-m", "squishlike", *generate, "--sharded", "pipeline"])
+    assert output.count(single.stdout.strip()) == 1, output[-4000:]
