@@ -1,6 +1,6 @@
 """`squishlike.sharded_load`: the drop-in for `mlx_lm.sharded_load`, each rank reading only its share.
 
-Run under `mlx.launch` (docs/format.md §13). mlx_lm builds the whole model lazily, slices it with the model's own
+Run under `mlx.launch` (docs/format.md §14). mlx_lm builds the whole model lazily, slices it with the model's own
 `shard()` (tensor parallelism) and `model.pipeline()` (pipeline parallelism), so every rank reads every weight it
 slices. Here the model is split first, with no weights in it, and then asked which part of each weight it kept:
 
