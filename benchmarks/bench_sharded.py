@@ -116,11 +116,13 @@ def run(workdir: Path, rounds: int, fmt: str) -> dict:
 
 def markdown(result: dict) -> str:
     base = {(r["mode"], r["rank"]): r for r in result["rows"] if r["loader"] == "mlx_lm"}
-    lines = ["| mode | loader | rank | load s (median) | vs mlx_lm | bytes read | vs mlx_lm |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | loader | rank | load s (median) | vs mlx_lm | bytes read | vs mlx_lm |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         b = base[(r["mode"], r["rank"])]
         lines.append(f"| {r['mode']} | {r['loader']} | {r['rank']} | {r['seconds']:.2f} | "
-                     f"{b['seconds'] / r['seconds']:.2f}x | {r['bytes'] / 1e6:.0f} MB | {r['bytes'] / b['bytes']:.2f} |")
+                     f"{b['seconds'] / r['seconds']:.2f}x | {r['bytes'] / 1e6:.0f} MB | "
+                     f"{r['bytes'] / b['bytes']:.2f} |")
     return "\n".join(lines)
 
 
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(*argv[1:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "squishlike-bench-sharded")
+    parser.add_argument("--workdir", type=Path,
+                        default=Path(os.environ.get("TMPDIR", "/tmp")) / "squishlike-bench-sharded")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--format", choices=("int8", "int4"), default="int4")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")

@@ -4,8 +4,9 @@
     squishlike.compress("model-dir", "model-int4", format="int4")
     model, tokenizer = squishlike.load("model-int4")     # same arguments and result as mlx_lm.load
 
-The public API is the names in `__all__`: `load`, `sharded_load` (under `mlx.launch`), `compress`, `open_weights`, `export`, `__version__`, and the
-`errors` module whose exceptions they raise. Everything else is an implementation detail.
+The public API is the names in `__all__`: `load`, `sharded_load` (under `mlx.launch`), `compress`,
+`open_weights`, `export`, `__version__`, and the `errors` module whose exceptions they raise. Everything else is
+an implementation detail.
 """
 
 from __future__ import annotations

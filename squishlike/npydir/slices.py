@@ -64,7 +64,8 @@ class SliceReader:
         align = math.lcm(scheme.block, entry.group_size or 1)
         a0, a1 = c0 // align * align, -(-c1 // align) * align  # the whole groups (and packing blocks) touched
         group = entry.group_size or 1
-        columns = {Role.CODES: (scheme.packed_cols(a0), scheme.packed_cols(a1)), Role.GROUP_SCALES: (a0 // group, a1 // group)}
+        columns = {Role.CODES: (scheme.packed_cols(a0), scheme.packed_cols(a1)),
+                   Role.GROUP_SCALES: (a0 // group, a1 // group)}
         parts = [
             # one scale per row, stored as one row: its runs are column runs
             np.concatenate([self._read(name, p.suffix, [(0, 1)], run).reshape(-1) for run in rows])

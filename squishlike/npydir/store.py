@@ -260,7 +260,8 @@ class NpyDir:
         memory (like mlx_lm's model.set_dtype)."""
         if entry.stored_dtype == self.runtime_dtype:
             return stored
-        return to_numpy(to_mx(np.ascontiguousarray(stored), entry.stored_dtype).astype(MX_DTYPES[self.runtime_dtype]))[0]
+        values = to_mx(np.ascontiguousarray(stored), entry.stored_dtype)
+        return to_numpy(values.astype(MX_DTYPES[self.runtime_dtype]))[0]
 
     def quantized(self, name: str) -> QuantizedTensor | None:
         """The MLX triple of an INT4/INT3 tensor: a lossless repack of the store."""

@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
@@ -33,7 +32,8 @@ RANKS = 2
 LAUNCH_TIMEOUT_S = 240
 # The tensors a model's shard() cuts (Q/K/V with their biases, the output projection, the MLP); the rest is
 # replicated on every rank.
-TENSOR_SHARDED = re.compile(r"layers\.\d+\.(attention\.[qkv]\.(weight|bias)|attention\.output\.weight|ffn\.\w+\.weight)")
+TENSOR_SHARDED = re.compile(
+    r"layers\.\d+\.(attention\.[qkv]\.(weight|bias)|attention\.output\.weight|ffn\.\w+\.weight)")
 
 
 def _free_ports(n: int) -> int:
