@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -166,25 +166,46 @@ def plan_shards(
             axes[name] = cut[0]
     kept: dict[str, Selection] = dict.fromkeys(local)
     if axes:
-        probe = new_model()
-
-        def indices(name: str) -> mx.array:
-            shape, axis = full[name], axes[name]
-            line = mx.arange(shape[axis], dtype=mx.int32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
-            return mx.broadcast_to(line, shape)
-
-        probe.load_weights([(name, indices(name)) for name in axes], strict=False)
-        probed = split(probe)
+        probed = _probe(new_model, split, full, axes, {name: local[name].shape[a] for name, a in axes.items()})
         for name, axis in axes.items():
             got = probed[name]
             line = np.array(mx.moveaxis(got, axis, 0).reshape(got.shape[axis], -1)[:, 0])
             expected = mx.broadcast_to(mx.array(line).reshape([-1 if a == axis else 1 for a in range(got.ndim)]),
                                        got.shape)
-            if not mx.array_equal(got, expected).item() or np.any(np.diff(line) <= 0):
+            if (len(line) != local[name].shape[axis] or not mx.array_equal(got, expected).item()
+                    or np.any(np.diff(line) <= 0)):
                 raise ValueError(f"{config.get('model_type')}: shard() of {name} is not a selection of ascending "
                                  f"indices along axis {axis}; squishlike cannot read that share")
             kept[name] = (axis, line)
     return Plan(model, kept, key)
+
+
+def _probe(new_model: Callable[[], nn.Module], split: Callable[[nn.Module], dict[str, mx.array]],
+           full: dict[str, tuple[int, ...]], axes: dict[str, int], kept: dict[str, int]) -> dict[str, mx.array]:
+    """The split of a model whose cut parameters (`axes`: name -> cut axis; `kept`: name -> its length after the
+    cut) hold their indices along the cut axis. Each probe first has
+    length 1 on every other axis (shard_linear cuts one axis and takes the other sizes from the weight, so this
+    costs nothing); a model whose split depends on the other sizes (heads reshaped) gets full-size probes."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    def probes(thin: bool) -> dict[str, mx.array]:
+        model = new_model()
+        arrays = []
+        for name, axis in axes.items():
+            shape = full[name]
+            line = mx.arange(shape[axis], dtype=mx.int32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+            arrays.append((name, line if thin else mx.broadcast_to(line, shape)))
+        model.update(tree_unflatten(arrays))
+        return split(model)
+
+    try:
+        thin = probes(thin=True)
+        if all(thin[name].size == thin[name].shape[axis] == kept[name] for name, axis in axes.items()):
+            return thin
+    except (ValueError, TypeError, IndexError, KeyError):
+        pass
+    return probes(thin=False)
 
 
 def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str, int]:
