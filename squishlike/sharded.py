@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import FormatError, MissingTensorError
-from .hub import resolve_local
+from .hub import resolve
 from .npydir import MANIFEST, NpyDir
 
 if TYPE_CHECKING:
@@ -77,10 +77,10 @@ def sharded_load(
 
     from .model import model_tokenizer
 
-    path = resolve_local(path_or_hf_repo)
+    path = resolve(path_or_hf_repo)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        if path is not None and NpyDir.is_npydir(path):
+        if NpyDir.is_npydir(path):
             store = NpyDir(path)
             config, side_files, source = store.config(), store.path, store.path
             plan = plan_shards(config, store.path, pipeline_group, tensor_group, trust_remote_code)
@@ -90,7 +90,7 @@ def sharded_load(
 
             from .provider import WeightProvider
 
-            provider = stack.enter_context(WeightProvider.open(path if path is not None else path_or_hf_repo))
+            provider = stack.enter_context(WeightProvider.open(path))
             side_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="squishlike-side-")))
             provider.write_side_files(side_files)
             config, source = load_config(side_files), provider.reader.path

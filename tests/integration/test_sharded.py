@@ -162,15 +162,19 @@ def test_sharded_provider_source(tmp_path, tokenizer_dir):
     assert not (src / "shards").exists()
 
 
-def test_generate_under_mlx_launch(tmp_path, tokenizer_dir):
-    """`squishlike generate --sharded pipeline` under mlx.launch: rank 0 prints what a single process generates
-    (pipeline stages run the same float ops), and no other rank prints."""
-    src = make_hf_model(tmp_path / "src", TINY_CONFIGS["qwen2"], tokenizer_dir)
-    squishlike.compress(src, tmp_path / "store", format="int8", tiers=[])
-    generate = ["generate", "--model", str(tmp_path / "store"), "--prompt", "The capital of France", "--max-tokens",
-                "6", "--no-chat-template"]
-    single = subprocess.run([sys.executable, "-m", "squishlike", *generate], capture_output=True, text=True,
-                            timeout=LAUNCH_TIMEOUT_S, env=_env())
-    assert single.returncode == 0 and single.stdout.strip(), single.stderr
-    output = _run_launch([sys.executable, "-m", "squishlike", *generate, "--sharded", "pipeline"])
-    assert output.count(single.stdout.strip()) == 1, output[-4000:]
+@pytest.mark.parametrize("tool", ["chat", "server"])
+def test_tools_take_squishlike_sharded_load(monkeypatch, tool):
+    """`squishlike chat` and `squishlike server` run mlx_lm's own tools, which call `sharded_load` when launched on
+    several ranks: while they run, that name is squishlike's, and mlx_lm's again afterwards."""
+    import importlib
+
+    import mlx_lm.utils
+
+    from squishlike.mlx_lm_tools import run_tool
+    from squishlike.sharded import sharded_load
+
+    module = importlib.import_module(f"mlx_lm.{tool}")
+    seen = []
+    monkeypatch.setattr(module, "main", lambda: seen.append(module.sharded_load))
+    run_tool(tool, [])
+    assert seen == [sharded_load] and module.sharded_load is mlx_lm.utils.sharded_load
