@@ -4,8 +4,9 @@
     squishlike.compress("model-dir", "model-int4", format="int4")
     model, tokenizer = squishlike.load("model-int4")     # same arguments and result as mlx_lm.load
 
-The public API is the names in `__all__`: `load`, `compress`, `open_weights`, `export`, `__version__`, and the
-`errors` module whose exceptions they raise. Everything else is an implementation detail.
+The public API is the names in `__all__`: `load`, `sharded_load` (under `mlx.launch`), `compress`,
+`open_weights`, `export`, `__version__`, and the `errors` module whose exceptions they raise. Everything else is
+an implementation detail.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first use so `import squishlike` (and `squishlike --help`) stays fast.
 _API = {
     "load": "loader",
+    "sharded_load": "sharded",
     "compress": "compressor",
     "open_weights": "provider",
     "export": "exporter",

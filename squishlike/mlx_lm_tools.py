@@ -2,7 +2,8 @@
 
 The seam: each of those mlx_lm modules binds `load` from mlx_lm.utils at import (`from .utils import load`) and
 calls it by that module-level name, with `mlx_lm.load`'s arguments. `run_tool` rebinds that name to
-`squishlike.load` for the run, then calls the tool's own `main()`, which parses its own flags from `sys.argv`;
+`squishlike.load` for the run (and `sharded_load`, which chat and server call under `mlx.launch`, to
+`squishlike.sharded_load`), then calls the tool's own `main()`, which parses its own flags from `sys.argv`;
 everything else (HTTP API, chat loop, sampling, streaming, the tokens/s lines) is mlx_lm's code, unchanged.
 The seam was read and tested on the mlx_lm series in TESTED_MLX_LM only; on any other it refuses, naming the
 version, rather than half-work.
@@ -37,6 +38,7 @@ def run_tool(tool: str, argv: list[str], **load_options: Any) -> None:
     import mlx_lm.utils
 
     from .loader import load
+    from .sharded import sharded_load
 
     check_mlx_lm_version(mlx_lm.__version__)
     module = importlib.import_module(f"mlx_lm.{tool}")
@@ -46,12 +48,18 @@ def run_tool(tool: str, argv: list[str], **load_options: Any) -> None:
             f"name `load`, the seam squishlike replaces"
         )
     saved_argv = sys.argv
-    module.load = functools.partial(load, **load_options)
+    seams = {"load": functools.partial(load, **load_options)}
+    if getattr(module, "sharded_load", None) is mlx_lm.utils.sharded_load:  # chat, server: under mlx.launch
+        seams["sharded_load"] = sharded_load
+    originals = {name: getattr(module, name) for name in seams}
+    for name, loader in seams.items():
+        setattr(module, name, loader)
     sys.argv = [f"squishlike {tool}", *argv]  # argparse names the program after argv[0]
     try:
         module.main()
     finally:
-        module.load = mlx_lm.utils.load
+        for name, original in originals.items():
+            setattr(module, name, original)
         sys.argv = saved_argv
 
 

@@ -157,14 +157,24 @@ def assemble(
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:
         # mlx_lm's own complaint (a weight of the wrong shape, a config it cannot build), with the model's name
         raise FormatError(source, f"config and weights do not make a {config.get('model_type')} model: {e}") from e
+    return model, model_tokenizer(config, side_files, source, tokenizer_config, trust_remote_code)
+
+
+def model_tokenizer(
+    config: dict[str, Any],
+    side_files: Path,
+    source: str | Path,
+    tokenizer_config: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> TokenizerWrapper:
+    """The tokenizer of the model `source` from its side files, with the eos ids its config sets."""
     try:
         # trust_remote_code passed explicitly: transformers would otherwise *ask* on a terminal whether to run a
         # tokenizer_config.json's custom code (auto_map); the answer is the caller's, and it defaults to no.
-        tokenizer = build_tokenizer(side_files, {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})},
-                                    eos_token_ids=config.get("eos_token_id"))
+        return build_tokenizer(side_files, {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})},
+                               eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
         raise FormatError(source, f"cannot load its tokenizer files: {type(e).__name__}: {e}") from e
-    return model, tokenizer
 
 
 def provider_model(

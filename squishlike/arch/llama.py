@@ -87,7 +87,7 @@ QK_PERMUTATION = Adapter(
 # Not in the table, so never read: `self_attn.rotary_emb.inv_freq` (a RoPE cache old checkpoints saved) and
 # GGUF `rope_freqs.weight` (Llama 3.1 RoPE scaling factors, which mlx_lm derives from `rope_scaling`).
 LLAMA = Architecture(
-    model_types=("llama", "mistral"),
+    model_types=("llama", "mistral", "ministral3"),
     gguf_arch="llama",
     rules=(
         EMBEDDING,

@@ -6,11 +6,13 @@ and every path is checked to stay inside the directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -55,6 +57,37 @@ def read_source(path: str | Path) -> Source | None:
         return Source.from_json(raw["source"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(manifest_path, f"bad source record ({type(e).__name__}: {e})") from None
+
+
+@contextlib.contextmanager
+def _open_data(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """(file descriptor, offset of the data) of a .npy whose header says `dtype` and `shape` in C order;
+    FormatError naming the file otherwise."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            version = np.lib.format.read_magic(f)
+            readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in readers:
+                raise ValueError(f"npy format version {version} not supported")
+            with _HEADER_LOCK:
+                got_shape, fortran, got_dtype = readers[version](f)
+            if got_dtype != dtype or tuple(got_shape) != shape or (fortran and len(shape) > 1):
+                raise FormatError(path, f"holds {got_dtype}{list(got_shape)}, its role needs {dtype}{list(shape)}")
+            yield f.fileno(), f.tell()
+    except FormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
+        raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
+
+
+def _pread_into(fd: int, path: Path, view: memoryview, offset: int) -> None:
+    """Fill `view` from the file at `offset`; FormatError when the file ends first."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:done + _READ_CHUNK]], offset + done)
+        if n == 0:
+            raise FormatError(path, f"ends after {done} of {len(view)} data bytes")
+        done += n
 
 
 class NpyDir:
@@ -179,26 +212,30 @@ class NpyDir:
         path = self.part_path(name, suffix)
         if out.dtype != dtype or out.size != math.prod(shape) or not out.flags.c_contiguous:
             raise ValueError(f"out is {out.dtype}{list(out.shape)}; {name}:{suffix} needs {dtype}{list(shape)}")
-        try:
-            with open(path, "rb", buffering=0) as f:
-                version = np.lib.format.read_magic(f)
-                readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-                if version not in readers:
-                    raise ValueError(f"npy format version {version} not supported")
-                with _HEADER_LOCK:
-                    got_shape, fortran, got_dtype = readers[version](f)
-                if got_dtype != dtype or tuple(got_shape) != shape or (fortran and len(shape) > 1):
-                    raise FormatError(path, f"holds {got_dtype}{list(got_shape)}, its role needs {dtype}{list(shape)}")
-                offset, view, done = f.tell(), memoryview(out.reshape(-1).view(np.uint8)), 0
-                while done < len(view):
-                    n = os.preadv(f.fileno(), [view[done:done + _READ_CHUNK]], offset + done)
-                    if n == 0:
-                        raise FormatError(path, f"ends after {done} of {len(view)} data bytes")
-                    done += n
-        except FormatError:
-            raise
-        except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
-            raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
+        with _open_data(path, dtype, shape) as (fd, offset):
+            _pread_into(fd, path, memoryview(out.reshape(-1).view(np.uint8)), offset)
+
+    def read_part_block(self, name: str, suffix: str, rows: list[tuple[int, int]],
+                        cols: tuple[int, int]) -> np.ndarray:
+        """Rows `rows` (half-open runs) and columns `cols` of one stored part, seen as the kernels see it
+        (`rows_cols`: a 1-D part is one row), read with pread: only those bytes. Checked as load_part checks it."""
+        dtype, shape = self.entry(name).part_spec(suffix)
+        path = self.part_path(name, suffix)
+        n_rows, n_cols = rows_cols(shape)
+        (c0, c1), itemsize = cols, dtype.itemsize
+        if any(not 0 <= r0 <= r1 <= n_rows for r0, r1 in rows) or not 0 <= c0 <= c1 <= n_cols:
+            raise ValueError(f"{path}: block rows {rows} cols {cols} outside [{n_rows}, {n_cols}]")
+        out = np.empty((sum(r1 - r0 for r0, r1 in rows), c1 - c0), dtype)
+        view, at = memoryview(out.reshape(-1).view(np.uint8)), 0
+        with _open_data(path, dtype, shape) as (fd, offset):
+            if (c0, c1) == (0, n_cols):  # whole rows: one read per run of rows
+                runs = [(r0 * n_cols * itemsize, (r1 - r0) * n_cols * itemsize) for r0, r1 in rows]
+            else:  # part of each row: one read per row
+                runs = [((r * n_cols + c0) * itemsize, (c1 - c0) * itemsize) for r0, r1 in rows for r in range(r0, r1)]
+            for start, length in runs:
+                _pread_into(fd, path, view[at:at + length], offset + start)
+                at += length
+        return out
 
     def dequantize(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
         """The tensor in the runtime dtype (bf16 as raw uint16), computed by the Rust kernels."""
@@ -210,11 +247,7 @@ class NpyDir:
                 # Straight from the file into the caller's buffer: no memory map, no intermediate copy.
                 self.read_part_into(name, suffix, out)
                 return out
-            stored = self.load_part(name, suffix)
-            if entry.stored_dtype == dtype:
-                result = stored
-            else:  # exact values at rest, the runtime dtype in memory (like mlx_lm's model.set_dtype)
-                result, _ = to_numpy(to_mx(np.ascontiguousarray(stored), entry.stored_dtype).astype(MX_DTYPES[dtype]))
+            result = self.to_runtime(entry, self.load_part(name, suffix))
             if out is None:
                 return np.array(result)
             np.copyto(out.reshape(result.shape), result)
@@ -225,6 +258,14 @@ class NpyDir:
         result = quant.dequantize(entry.scheme, *parts, group_size=entry.group_size, scale_dtype=entry.scale_dtype,
                                   out_dtype=dtype, out=out)
         return result.reshape(entry.shape)
+
+    def to_runtime(self, entry: TensorEntry, stored: np.ndarray) -> np.ndarray:
+        """A passthrough tensor's stored values in the runtime dtype: exact values at rest, the runtime dtype in
+        memory (like mlx_lm's model.set_dtype)."""
+        if entry.stored_dtype == self.runtime_dtype:
+            return stored
+        values = to_mx(np.ascontiguousarray(stored), entry.stored_dtype)
+        return to_numpy(values.astype(MX_DTYPES[self.runtime_dtype]))[0]
 
     def quantized(self, name: str) -> QuantizedTensor | None:
         """The MLX triple of an INT4/INT3 tensor: a lossless repack of the store."""

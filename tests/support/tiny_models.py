@@ -237,3 +237,15 @@ def make_spm_tokenizer(directory: Path, vocab_size: int = 32_000) -> Path:
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return directory
+
+
+# Ministral 3's text model: Llama's tensors, mlx_lm's pipeline support. Kept out of TINY_CONFIGS (which every
+# per-architecture test takes) because squishlike only reads it as an HF or MLX directory or an npy-dir.
+MINISTRAL3 = {
+    **_BASE,
+    "model_type": "ministral3",
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                        "original_max_position_embeddings": 512},
+}

@@ -1,0 +1,149 @@
+"""Sharded loads on 2 ranks (`mlx.launch -n 2 --backend ring` on 127.0.0.1): per-rank load time and bytes read,
+squishlike.sharded_load of an npy-dir against mlx_lm.sharded_load of its bf16 source, in the same run.
+
+Model: the shapes of a 0.5B Qwen2 (random bf16 weights, 0.99 GB), built by loadbench's builder. For each mode
+(tensor, pipeline) and each round, three launches in turn: mlx_lm.sharded_load of the source; squishlike's first
+launch (no rank tier: reads its slices of the store, dequantizes them, builds the rank tier); squishlike's next
+launch (the rank tier). Each rank times its sharded_load call alone (imports done before) and counts the bytes
+its process read meanwhile (`rchar` of /proc/self/io: every read/pread, from disk or the page cache). Files are
+warm in the page cache: this measures reading and dequantizing, not the disk.
+
+    python -m benchmarks.bench_sharded [--workdir DIR] [--rounds N] [--format int8|int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QWEN_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+    "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+LOADERS = ("mlx_lm", "squishlike first", "squishlike rank tier")
+RANKS = 2
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
+
+
+def rank_main(loader: str, model: str, mode: str, out: str) -> None:
+    """One rank: time one sharded load of `model`, count the bytes read meanwhile, write them to OUT/rank{r}.json."""
+    import mlx.core as mx
+    from mlx_lm.utils import sharded_load as mlx_lm_sharded_load
+
+    import squishlike
+
+    group = mx.distributed.init()
+    load = mlx_lm_sharded_load if loader == "mlx_lm" else squishlike.sharded_load
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # start together
+    before, started = _rchar(), time.perf_counter()
+    load(model, **{f"{mode}_group": group})
+    seconds, nbytes = time.perf_counter() - started, _rchar() - before
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps({"seconds": seconds, "bytes": nbytes}))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(loader: str, model: Path, mode: str, out: Path) -> list[dict]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    command = [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_port()), sys.executable,
+               "-m", "benchmarks.bench_sharded", "--rank", loader, str(model), mode, str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, start_new_session=True)
+    try:
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    except FileNotFoundError:
+        raise RuntimeError(f"{loader} {mode}: a rank failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}") from None
+
+
+def prepare(workdir: Path, fmt: str) -> tuple[Path, Path]:
+    from benchmarks.loadbench.models import build_qwen_like
+
+    import squishlike
+
+    source = build_qwen_like(workdir / "qwen2-0.5b-shaped-bf16", None, QWEN_0_5B)
+    index = source / "model.safetensors.index.json"  # mlx_lm's pipeline split reads the weight map
+    if not index.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(source / "model.safetensors"), "numpy") as f:
+            index.write_text(json.dumps({"weight_map": dict.fromkeys(f.keys(), "model.safetensors")}))
+    store = workdir / f"store-{fmt}"
+    if not (store / "manifest.json").exists():
+        squishlike.compress(source, store, format=fmt, group_size=64, tiers=[], force=True)
+    return source, store
+
+
+def run(workdir: Path, rounds: int, fmt: str) -> dict:
+    source, store = prepare(workdir, fmt)
+    for path in [*source.rglob("*"), *store.rglob("*")]:  # warm the page cache
+        if path.is_file():
+            path.read_bytes()
+    results: dict = {}
+    for mode in ("tensor", "pipeline"):
+        for _ in range(rounds):
+            for loader in LOADERS:
+                if loader == "squishlike first":
+                    shutil.rmtree(store / "shards", ignore_errors=True)
+                ranks = launch(loader, source if loader == "mlx_lm" else store, mode, workdir / "out")
+                for rank, r in enumerate(ranks):
+                    results.setdefault((mode, loader, rank), []).append(r)
+    return {"format": fmt, "rounds": rounds, "rows": [
+        {"mode": mode, "loader": loader, "rank": rank,
+         "seconds": statistics.median(r["seconds"] for r in runs), "bytes": statistics.median(r["bytes"] for r in runs)}
+        for (mode, loader, rank), runs in results.items()]}
+
+
+def markdown(result: dict) -> str:
+    base = {(r["mode"], r["rank"]): r for r in result["rows"] if r["loader"] == "mlx_lm"}
+    lines = ["| mode | loader | rank | load s (median) | vs mlx_lm | bytes read | vs mlx_lm |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        b = base[(r["mode"], r["rank"])]
+        lines.append(f"| {r['mode']} | {r['loader']} | {r['rank']} | {r['seconds']:.2f} | "
+                     f"{b['seconds'] / r['seconds']:.2f}x | {r['bytes'] / 1e6:.0f} MB | "
+                     f"{r['bytes'] / b['bytes']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank"]:
+        rank_main(*argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path,
+                        default=Path(os.environ.get("TMPDIR", "/tmp")) / "squishlike-bench-sharded")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--format", choices=("int8", "int4"), default="int4")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    result = run(args.workdir, args.rounds, args.format)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

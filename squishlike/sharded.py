@@ -1,0 +1,259 @@
+"""`squishlike.sharded_load`: the drop-in for `mlx_lm.sharded_load`, each rank reading only its share.
+
+Run under `mlx.launch` (docs/format.md §14). mlx_lm builds the whole model lazily, slices it with the model's own
+`shard()` (tensor parallelism) and `model.pipeline()` (pipeline parallelism), so every rank reads every weight it
+slices. Here the model is split first, with no weights in it, and then asked which part of each weight it kept:
+
+- Which tensors: the parameters of the split model (a pipeline stage has only its layers, plus the embeddings,
+  the final norm and the head).
+- Which part of each: a parameter whose shape changed was cut along one axis. The split is run a second time on
+  a model whose parameters are index probes (each such parameter the indices along that axis, broadcast), so the
+  kept indices come from the model's own `shard()`, segments included, not from a guess; a split that is not a
+  selection along one axis is refused.
+- An npy-dir then reads only those rows or columns of the stored parts and dequantizes only them
+  (squishlike/npydir/slices.py), and caches the rank's share as the `rank` tier (squishlike/tiers/rank.py) for the
+  next launch with the same layout. Any other source the provider reads gives whole tensors, which are cut here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .errors import FormatError, MissingTensorError
+from .hub import resolve
+from .npydir import MANIFEST, NpyDir
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+log = logging.getLogger("squishlike")
+
+Selection = tuple[int, np.ndarray] | None  # (axis, the indices kept along it), or None: the whole tensor
+
+
+@dataclass
+class Plan:
+    """What one rank keeps: the split model (its parameters placeholders) and, per mlx_lm parameter name, the part
+    of the full tensor that parameter holds."""
+
+    model: nn.Module
+    kept: dict[str, Selection]
+    key: str  # the layout: "tensor-2-0", "pipeline-2-1", "pipeline-2-1.tensor-2-0"
+
+    @property
+    def fingerprint(self) -> str:
+        rows = [[name, *([] if s is None else [s[0], s[1].tolist()])] for name, s in sorted(self.kept.items())]
+        return hashlib.sha256(json.dumps([self.key, rows]).encode()).hexdigest()
+
+
+def sharded_load(
+    path_or_hf_repo: str | Path,
+    pipeline_group: mx.distributed.Group | None = None,
+    tensor_group: mx.distributed.Group | None = None,
+    return_config: bool = False,
+    *,
+    tokenizer_config: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
+    """This rank's share of the model and the tokenizer; same arguments and result as `mlx_lm.sharded_load`.
+
+    With neither group, tensor parallelism over `mx.distributed.init()` where the model has `shard()`, else
+    pipeline parallelism. An npy-dir is read slice by slice and its share cached per layout; any other source
+    squishlike.load reads (HF, MLX, GGUF, Ollama) is read tensor by tensor (only the stage's, when pipelined)."""
+    import mlx.core as mx
+
+    from .model import model_tokenizer
+
+    path = resolve(path_or_hf_repo)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if NpyDir.is_npydir(path):
+            store = NpyDir(path)
+            config, side_files, source = store.config(), store.path, store.path
+            plan = plan_shards(config, store.path, pipeline_group, tensor_group, trust_remote_code)
+            weights, tier, nbytes = _store_weights(store, plan)
+        else:
+            from mlx_lm.utils import load_config
+
+            from .provider import WeightProvider
+
+            provider = stack.enter_context(WeightProvider.open(path))
+            side_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="squishlike-side-")))
+            provider.write_side_files(side_files)
+            config, source = load_config(side_files), provider.reader.path
+            plan = plan_shards(config, side_files, pipeline_group, tensor_group, trust_remote_code)
+            weights, nbytes = _provider_weights(provider, plan)
+            tier = provider.format
+        model = plan.model
+        try:
+            model.load_weights(list(weights.items()), strict=True)
+        except ValueError as e:
+            raise FormatError(source, f"the {plan.key} share does not fit the model: {e}") from e
+        mx.eval(model.parameters())
+        tokenizer = model_tokenizer(config, side_files, source, tokenizer_config, trust_remote_code)
+    seconds = time.perf_counter() - started
+    log.debug("%s: %s share from %s, %d bytes read in %.3f s", source, plan.key, tier, nbytes, seconds,
+              extra={"shard_load": {"layout": plan.key, "tier": tier, "bytes_read": nbytes, "seconds": seconds}})
+    # Synchronize the ranks, as mlx_lm does, so none starts its first collective before the others are loaded.
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
+    return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+def plan_shards(
+    config: dict[str, Any],
+    model_dir: Path,
+    pipeline_group: mx.distributed.Group | None,
+    tensor_group: mx.distributed.Group | None,
+    trust_remote_code: bool = False,
+) -> Plan:
+    """The model split for this rank, as mlx_lm.sharded_load splits it, and what each kept parameter holds."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .model import model_classes
+
+    model_class, args_class = model_classes(config, model_dir, trust_remote_code)
+
+    def new_model() -> nn.Module:
+        return model_class(args_class.from_dict(config))
+
+    model = new_model()
+    has_pipelining = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    has_tensor_parallel = hasattr(model, "shard")
+    if pipeline_group is not None and not has_pipelining:
+        raise ValueError("The model does not support pipelining but a pipeline_group was provided")
+    if tensor_group is not None and not has_tensor_parallel:
+        raise ValueError("The model does not support tensor parallelism but a tensor_group was provided")
+    if not has_pipelining and not has_tensor_parallel:
+        raise ValueError("The model does not support any sharding")
+    if pipeline_group is tensor_group is None:
+        if has_tensor_parallel:
+            tensor_group = mx.distributed.init()
+        else:
+            pipeline_group = mx.distributed.init()
+    key = ".".join(f"{mode}-{g.size()}-{g.rank()}" for mode, g in (("pipeline", pipeline_group),
+                                                                     ("tensor", tensor_group)) if g is not None)
+
+    def split(m: nn.Module) -> dict[str, mx.array]:
+        if tensor_group is not None:
+            m.shard(tensor_group)
+        if pipeline_group is not None:
+            m.model.pipeline(pipeline_group)
+        return dict(tree_flatten(m.parameters()))
+
+    full = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    local = split(model)
+    axes = {}
+    for name, value in local.items():
+        cut = [a for a, (n, k) in enumerate(zip(full[name], value.shape)) if n != k]
+        if len(cut) > 1 or value.ndim != len(full[name]):
+            raise ValueError(f"{config.get('model_type')}: shard() turns {name} {list(full[name])} into "
+                             f"{list(value.shape)}, not a cut along one axis; squishlike cannot read that share")
+        if cut:
+            axes[name] = cut[0]
+    kept: dict[str, Selection] = dict.fromkeys(local)
+    if axes:
+        probed = _probe(new_model, split, full, axes, {name: local[name].shape[a] for name, a in axes.items()})
+        for name, axis in axes.items():
+            got = probed[name]
+            line = np.array(mx.moveaxis(got, axis, 0).reshape(got.shape[axis], -1)[:, 0])
+            expected = mx.broadcast_to(mx.array(line).reshape([-1 if a == axis else 1 for a in range(got.ndim)]),
+                                       got.shape)
+            if (len(line) != local[name].shape[axis] or not mx.array_equal(got, expected).item()
+                    or np.any(np.diff(line) <= 0)):
+                raise ValueError(f"{config.get('model_type')}: shard() of {name} is not a selection of ascending "
+                                 f"indices along axis {axis}; squishlike cannot read that share")
+            kept[name] = (axis, line)
+    return Plan(model, kept, key)
+
+
+def _probe(new_model: Callable[[], nn.Module], split: Callable[[nn.Module], dict[str, mx.array]],
+           full: dict[str, tuple[int, ...]], axes: dict[str, int], kept: dict[str, int]) -> dict[str, mx.array]:
+    """The split of a model whose cut parameters (`axes`: name -> cut axis; `kept`: name -> its length after the
+    cut) hold their indices along the cut axis. Each probe first has
+    length 1 on every other axis (shard_linear cuts one axis and takes the other sizes from the weight, so this
+    costs nothing); a model whose split depends on the other sizes (heads reshaped) gets full-size probes."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    def probes(thin: bool) -> dict[str, mx.array]:
+        model = new_model()
+        arrays = []
+        for name, axis in axes.items():
+            shape = full[name]
+            line = mx.arange(shape[axis], dtype=mx.int32).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+            arrays.append((name, line if thin else mx.broadcast_to(line, shape)))
+        model.update(tree_unflatten(arrays))
+        return split(model)
+
+    try:
+        thin = probes(thin=True)
+        if all(thin[name].size == thin[name].shape[axis] == kept[name] for name, axis in axes.items()):
+            return thin
+    except (ValueError, TypeError, IndexError, KeyError):
+        pass
+    return probes(thin=False)
+
+
+def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str, int]:
+    """The rank's weights from its cached share when ready, else read slice by slice and cached.
+    Returns (weights by mlx_lm name, the tier that served them, stored bytes read)."""
+    from .dtypes import to_mx
+    from .io.lock import DirectoryLock
+    from .npydir.slices import SliceReader
+    from .tiers.base import mlx_names
+    from .tiers.rank import RankTier
+
+    tier = RankTier(plan.key, plan.fingerprint)
+    if tier.ready(store)[0] is not None:
+        try:
+            return tier.load(store).weights, tier.name, tier.nbytes(store)
+        except (FormatError, OSError, ValueError, RuntimeError) as e:
+            warnings.warn(f"{store.path / tier.sentinel}: unreadable ({e}); reading the store and rebuilding it")
+            with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
+                tier.invalidate(store)
+    canonical = {mlx: name for name, mlx in mlx_names(store).items()}
+    reader = SliceReader(store)
+    dense = {}
+    for name, selection in plan.kept.items():
+        if name not in canonical:
+            raise MissingTensorError(store.path / MANIFEST, name, "the model needs it and the store has no such tensor")
+        dense[canonical[name]] = reader.read(canonical[name], *(selection or ()))
+    weights = {mlx: to_mx(dense[name], store.runtime_dtype) for mlx, name in canonical.items() if name in dense}
+    lock = DirectoryLock(store.path)
+    try:
+        with lock:
+            if tier.ready(store)[0] is None:  # another process with this layout may have built it meanwhile
+                tier.build(store, dense)
+    except OSError as e:  # read-only directory, disk full: this launch still has its weights
+        warnings.warn(f"{store.path}: could not cache the {plan.key} share ({e})")
+    return weights, "store", reader.bytes_read
+
+
+def _provider_weights(provider: Any, plan: Plan) -> tuple[dict[str, mx.array], int]:
+    """The rank's weights from any provider source: each kept tensor read whole, then cut. Returns them with the
+    bytes of the whole tensors read (as the source gives them: dequantized)."""
+    import mlx.core as mx
+
+    canonical = {provider.mlx_name(n): n for n in provider.names()}
+    weights, nbytes = {}, 0
+    for name, selection in plan.kept.items():
+        if name not in canonical:
+            raise MissingTensorError(provider.reader.path, name, "the model needs it and the source has no such tensor")
+        array = provider.get(canonical[name])
+        nbytes += array.nbytes
+        weights[name] = array if selection is None else mx.take(array, mx.array(selection[1]), axis=selection[0])
+    return weights, nbytes

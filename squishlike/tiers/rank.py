@@ -1,0 +1,70 @@
+"""Tier `rank`: one rank's share of a sharded load (squishlike.sharded_load), cached for the next launch.
+
+`shards/{key}/weights.safetensors` holds exactly the weights the rank keeps (mlx_lm parameter names, the shapes
+after `shard()`, only the layers of its pipeline stage), in the runtime dtype; `shards/{key}/.ready` is its
+sentinel. The key names the layout: mode, world size and rank ("tensor-2-0", "pipeline-4-3",
+"pipeline-2-1.tensor-2-0"), so ranks that share one directory never write the same files. The sentinel also
+records the plan's fingerprint (every kept tensor, the axis it was cut along and the indices kept), so a model
+code whose split changed, or another store, never serves stale slices. Built as the finalized tier is: filled
+under a temporary name, published in one rename, under the store's directory lock.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+
+from ..formats.safetensors import Tensor, write_safetensors
+from ..io.atomic import make_temp_dir, publish_dir, remove_stale_temps
+from ..io.sentinel import write_sentinel
+from ..npydir import NpyDir
+from .base import Loaded, Tier, mlx_names
+from .mlx import METADATA, load_safetensors
+
+DIRECTORY = "shards"
+WEIGHTS = "weights.safetensors"
+
+
+class RankTier(Tier):
+    name = "rank"
+
+    def __init__(self, key: str, plan: str):
+        self.key = key  # the layout: "tensor-2-0", "pipeline-2-1", ...
+        self.plan = plan  # fingerprint of the kept slices
+        self.sentinel = f"{DIRECTORY}/{key}/.ready"
+
+    def wanted(self, store: NpyDir) -> bool:
+        return True  # asked for by launching sharded
+
+    def ready(self, store: NpyDir) -> tuple[dict | None, str]:
+        payload, why = super().ready(store)
+        if payload is not None and payload.get("plan") != self.plan:
+            return None, "made for another split of the model"
+        return payload, why
+
+    def nbytes(self, store: NpyDir) -> int:
+        return (store.path / DIRECTORY / self.key / WEIGHTS).stat().st_size
+
+    def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
+        weights = load_safetensors(store.path / DIRECTORY / self.key / WEIGHTS, lazy=lazy)
+        return Loaded(weights, store.config(), self.name)
+
+    def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+        """`dense`: the rank's slices by canonical name, runtime dtype (bf16 as uint16). The caller holds the
+        store's lock."""
+        self.invalidate(store)
+        final = store.path / DIRECTORY / self.key
+        final.parent.mkdir(exist_ok=True)
+        remove_stale_temps(final.parent, self.key)  # a crashed build of this key; the lock keeps out live ones
+        tmp = make_temp_dir(final)
+        try:
+            names = mlx_names(store)
+            tensors = [Tensor(names[n], store.runtime_dtype, a.shape, a) for n, a in dense.items()]
+            record = write_safetensors(tmp / WEIGHTS, tensors, METADATA, atomic=False)
+            write_sentinel(tmp / ".ready", manifest_fingerprint=store.fingerprint, files={WEIGHTS: record},
+                           tier=self.name, layout=self.key, plan=self.plan)
+            publish_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

@@ -1,0 +1,180 @@
+"""squishlike.sharded_load under `mlx.launch -n 2 --backend ring` on 127.0.0.1: each rank's logits, the bytes it
+reads, and the rank tier a second launch takes.
+
+Pipeline parallelism runs the same float ops as one process, so its logits must be bit-identical to
+squishlike.load of the same store. Tensor parallelism sums partial products across ranks, which rounds
+differently from one process; there the bar is mlx_lm.sharded_load of the same weights (the store exported dense):
+bit-identical to it, on the same split.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_lm
+import numpy as np
+import pytest
+from support import shard_rank
+from support.tiny_models import MINISTRAL3, TINY_CONFIGS, make_hf_model
+
+import squishlike
+from squishlike.npydir import NpyDir
+
+RANKS = 2
+LAUNCH_TIMEOUT_S = 240
+# The tensors a model's shard() cuts (Q/K/V with their biases, the output projection, the MLP); the rest is
+# replicated on every rank.
+TENSOR_SHARDED = re.compile(
+    r"layers\.\d+\.(attention\.[qkv]\.(weight|bias)|attention\.output\.weight|ffn\.\w+\.weight)")
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1 now (the ring backend listens on starting port + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports on 127.0.0.1")
+
+
+def _env() -> dict[str, str]:
+    """The environment of every process a test starts: this checkout's squishlike first."""
+    return {**os.environ, "PYTHONPATH": str(Path(squishlike.__file__).parents[1])}
+
+
+def _run_launch(command: list[str]) -> str:
+    """`mlx.launch -n RANKS --backend ring` of `command` on 127.0.0.1; its output. Bounded in time: on a timeout
+    the whole process group is killed."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    process = subprocess.Popen(
+        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), *command],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env())
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"mlx.launch did not finish in {LAUNCH_TIMEOUT_S} s")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> list[dict]:
+    """tests/support/shard_rank.py on RANKS ranks: each rank's logits and load record."""
+    out.mkdir(parents=True, exist_ok=True)
+    output = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
+                          *([str(reference)] if reference else [])])
+    # mlx.launch exits 0 even when a rank fails: every rank must have written its results
+    assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), output[-4000:]
+    return [{**dict(np.load(out / f"rank{r}.npz")), "load": json.loads((out / f"rank{r}.json").read_text())[0]}
+            for r in range(RANKS)]
+
+
+def single_logits(model) -> np.ndarray:
+    return shard_rank.logits(model)
+
+
+def stored_bytes(store: NpyDir, name: str) -> int:
+    entry = store.entries[name]
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in map(entry.part_spec, entry.kind.suffixes))
+
+
+def share_bound(store: NpyDir, mode: str) -> int:
+    """1/RANKS of the bytes of the tensors the mode splits, plus all of the replicated ones."""
+    split = (lambda n: n.startswith("layers.")) if mode == "pipeline" else TENSOR_SHARDED.fullmatch
+    total = {n: stored_bytes(store, n) for n in store.entries}
+    return sum(b for n, b in total.items() if not split(n)) + sum(b for n, b in total.items() if split(n)) // RANKS
+
+
+CASES = [  # (architecture, config, mode, store format, launch a second time)
+    ("llama", TINY_CONFIGS["llama"], "tensor", "int8", True),
+    ("qwen2", TINY_CONFIGS["qwen2"], "tensor", "int4", False),
+    ("qwen3", TINY_CONFIGS["qwen3"], "tensor", "int4", False),
+    ("qwen2", TINY_CONFIGS["qwen2"], "pipeline", "int8", False),
+    ("ministral3", MINISTRAL3, "pipeline", "int4", True),
+]
+
+
+@pytest.mark.parametrize("arch,config,mode,fmt,relaunch", CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in CASES])
+def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunch):
+    src = make_hf_model(tmp_path / "src", config, tokenizer_dir)
+    store_path = tmp_path / "store"
+    squishlike.compress(src, store_path, format=fmt, group_size=32, tiers=["finalized"])
+    store = NpyDir(store_path)
+    expected = single_logits(squishlike.load(store_path)[0])
+    reference = None
+    if mode == "tensor":  # mlx_lm.sharded_load of the same weights, dense
+        reference = squishlike.export(store_path, "mlx", tmp_path / "dense")
+        assert np.array_equal(single_logits(mlx_lm.load(str(reference))[0]), expected)
+
+    first = launch(store_path, mode, tmp_path / "first", reference)
+    bound = share_bound(store, mode)
+    for rank, result in enumerate(first):
+        assert result["load"]["layout"] == f"{mode}-{RANKS}-{rank}"
+        assert result["load"]["tier"] == "store"
+        assert 0 < result["load"]["bytes_read"] <= bound * 1.05, (result["load"], bound)
+        if mode == "pipeline":
+            assert np.array_equal(result["ours"], expected)
+        else:
+            assert np.array_equal(result["ours"], result["mlx_lm"])
+            assert np.allclose(result["ours"], expected, atol=1e-4)
+    assert sorted(p.name for p in (store_path / "shards").iterdir()) == [f"{mode}-{RANKS}-{r}" for r in range(RANKS)]
+    if not relaunch:  # each launch costs seconds of imports per rank; two cases show the second launch
+        return
+
+    second = launch(store_path, mode, tmp_path / "second")
+    for rank, result in enumerate(second):
+        assert result["load"]["tier"] == "rank"
+        assert np.array_equal(result["ours"], first[rank]["ours"])
+
+
+def test_sharded_provider_source(tmp_path, tokenizer_dir):
+    """A source that is not an npy-dir (here an HF directory) loads through the provider: the same share as
+    mlx_lm.sharded_load of that directory, bit for bit, and nothing is cached next to it."""
+    src = make_hf_model(tmp_path / "src", TINY_CONFIGS["qwen3"], tokenizer_dir)
+    for result in launch(src, "tensor", tmp_path / "out", src):
+        assert result["load"]["tier"] == "hf"
+        assert np.array_equal(result["ours"], result["mlx_lm"])
+    assert not (src / "shards").exists()
+
+
+@pytest.mark.parametrize("tool", ["chat", "server"])
+def test_tools_take_squishlike_sharded_load(monkeypatch, tool):
+    """`squishlike chat` and `squishlike server` run mlx_lm's own tools, which call `sharded_load` when launched on
+    several ranks: while they run, that name is squishlike's, and mlx_lm's again afterwards."""
+    import importlib
+
+    import mlx_lm.utils
+
+    from squishlike.mlx_lm_tools import run_tool
+    from squishlike.sharded import sharded_load
+
+    module = importlib.import_module(f"mlx_lm.{tool}")
+    seen = []
+    monkeypatch.setattr(module, "main", lambda: seen.append(module.sharded_load))
+    run_tool(tool, [])
+    assert seen == [sharded_load] and module.sharded_load is mlx_lm.utils.sharded_load

@@ -1,0 +1,142 @@
+"""The pieces of squishlike.sharded_load that run without a launcher: exact slices of every scheme, the split
+plan of a rank, and the rank tier's sentinel. A stand-in group (rank, size) splits the model as a rank would;
+the launched tests are in tests/integration/test_sharded.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support.tiny_models import TINY_CONFIGS, flat_params, make_hf_model
+
+import squishlike
+from squishlike.npydir import NpyDir
+from squishlike.npydir.slices import SliceReader, runs
+
+
+class Group:
+    """What a model's shard() and pipeline() ask of an mx.distributed.Group while loading: rank and size."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.fixture
+def qwen2(tmp_path, tokenizer_dir):
+    return make_hf_model(tmp_path / "src", TINY_CONFIGS["qwen2"], tokenizer_dir)
+
+
+def test_runs():
+    assert runs(np.array([0, 1, 2, 5, 6, 9])) == [(0, 3), (5, 7), (9, 10)]
+    assert runs(np.array([], dtype=np.int64)) == []
+
+
+@pytest.mark.parametrize("fmt,group_size", [("int8", 32), ("int4", 32), ("int4", 128), ("int3", 64)])
+def test_slices_equal_the_whole_tensor_cut(tmp_path, qwen2, fmt, group_size):
+    """Any ascending indices along any axis, cuts inside a quantization group included: the same values as
+    dequantizing the whole tensor and cutting it, and never more than the whole groups touched are read."""
+    squishlike.compress(qwen2, tmp_path / fmt, format=fmt, group_size=group_size, tiers=[])
+    store = NpyDir(tmp_path / fmt)
+    reader = SliceReader(store)
+    for name in store.entries:
+        whole = store.dequantize(name)
+        for axis in range(whole.ndim):
+            n = whole.shape[axis]
+            for index in (np.arange(n // 2), np.arange(n // 2, n), np.r_[0:3, n // 3:n // 2 + 5]):
+                got = reader.read(name, axis, index)
+                assert np.array_equal(got, whole.take(index, axis=axis)), (name, axis, index)
+    with pytest.raises(ValueError, match="must ascend"):
+        reader.read("layers.0.ffn.up.weight", 0, np.array([3, 2]))
+
+
+def test_rows_read_only_their_bytes(tmp_path, qwen2):
+    squishlike.compress(qwen2, tmp_path / "int8", format="int8", tiers=[])
+    store = NpyDir(tmp_path / "int8")
+    reader = SliceReader(store)
+    rows, cols = store.entries["layers.0.ffn.up.weight"].shape
+    reader.read("layers.0.ffn.up.weight", 0, np.arange(rows // 2))
+    assert reader.bytes_read == rows // 2 * cols + rows // 2 * 4  # int8 codes + one float32 scale per row
+
+
+def _records(caplog) -> list[dict]:
+    return [r.shard_load for r in caplog.records if hasattr(r, "shard_load")]
+
+
+def test_tensor_shares_rebuild_the_model(tmp_path, qwen2, caplog):
+    """Both ranks' shares, put back together along the axis each was cut, are the single-process weights; an INT4
+    g128 store cut at column 64 of 128 (inside a group) included."""
+    squishlike.compress(qwen2, tmp_path / "store", format="int4", group_size=128, tiers=["finalized"])
+    whole = flat_params(squishlike.load(tmp_path / "store")[0])
+    caplog.set_level(logging.DEBUG, logger="squishlike")
+    shares = [flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(r, 2))[0]) for r in range(2)]
+    assert shares[0].keys() == whole.keys()
+    for name, w in whole.items():
+        a, b = shares[0][name], shares[1][name]
+        if a.shape == w.shape:
+            assert mx.array_equal(a, w).item() and mx.array_equal(b, w).item(), name
+        else:
+            axis = next(i for i, (x, y) in enumerate(zip(a.shape, w.shape)) if x != y)
+            assert mx.array_equal(mx.concatenate([a, b], axis=axis), w).item(), name
+    assert [r["tier"] for r in _records(caplog)] == ["store", "store"]
+
+
+def test_pipeline_stage_reads_its_layers_only(tmp_path, qwen2, caplog):
+    squishlike.compress(qwen2, tmp_path / "store", format="int8", tiers=[])
+    caplog.set_level(logging.DEBUG, logger="squishlike")
+    model, _ = squishlike.sharded_load(tmp_path / "store", pipeline_group=Group(0, 2))
+    names = flat_params(model)
+    assert not any(n.startswith("model.layers.0.") for n in names) and any(".layers.1." in n for n in names)
+    store = NpyDir(tmp_path / "store")
+    layer0 = sum((tmp_path / "store" / rel).stat().st_size for rel in store.part_files() if "layers.0." in rel)
+    (record,) = _records(caplog)
+    total = sum((tmp_path / "store" / rel).stat().st_size for rel in store.part_files())
+    assert record["bytes_read"] <= total - layer0
+
+
+def test_rank_tier_is_taken_checked_and_rebuilt(tmp_path, qwen2, caplog):
+    squishlike.compress(qwen2, tmp_path / "store", format="int8", tiers=[])
+    caplog.set_level(logging.DEBUG, logger="squishlike")
+    first = flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(1, 2))[0])
+    share = tmp_path / "store" / "shards" / "tensor-2-1"
+    assert (share / ".ready").is_file() and not (tmp_path / "store" / "shards" / "tensor-2-0").exists()
+
+    def load_again() -> str:
+        caplog.clear()
+        again = flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(1, 2))[0])
+        assert all(mx.array_equal(again[n], first[n]).item() for n in first)
+        return _records(caplog)[0]["tier"]
+
+    assert load_again() == "rank"
+    # another split of the model (recorded in the sentinel's plan): not taken, rebuilt from the store
+    sentinel = json.loads((share / ".ready").read_text())
+    (share / ".ready").write_text(json.dumps({**sentinel, "plan": "0" * 64}))
+    assert load_again() == "store"
+    assert load_again() == "rank"
+    # damaged weights under a valid sentinel size: warned about, read from the store, rebuilt
+    weights = share / "weights.safetensors"
+    weights.write_bytes(b"\0" * weights.stat().st_size)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert load_again() == "store"
+    assert load_again() == "rank"
+    # another layout has its own share
+    squishlike.sharded_load(tmp_path / "store", pipeline_group=Group(1, 2))
+    assert sorted(p.name for p in share.parent.iterdir()) == ["pipeline-2-1", "tensor-2-1"]
+
+
+def test_models_without_sharding_are_refused_as_mlx_lm_refuses_them(tmp_path, tokenizer_dir):
+    src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
+    squishlike.compress(src, tmp_path / "store", format="int8", tiers=[])
+    with pytest.raises(ValueError, match="does not support tensor parallelism"):
+        squishlike.sharded_load(tmp_path / "store", tensor_group=Group(0, 2))
+    with pytest.raises(ValueError, match="does not support any sharding"):
+        squishlike.sharded_load(tmp_path / "store")
+    assert not (tmp_path / "store" / "shards").exists()
