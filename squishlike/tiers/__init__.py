@@ -1,17 +1,22 @@
-"""The decision tree (docs/format.md §9): the first ready tier in TIERS serves the load. The cache tiers (ORDER)
-come first; the cold tier, last, is always ready.
+"""The decision tree (docs/format.md §9): the first ready cache tier in the device's order (tiers/order.py) serves
+the load; the cold tier, last, is always ready.
 
-Adding a cache tier means adding a module with a `Tier` subclass and one entry in ORDER.
+Adding a cache tier means adding a module with a `Tier` subclass, one entry in ORDER and its name in
+order.PREFERENCE.
 
-Cold path: dequantize `tensors/` (tiers/cold.py), then, holding the directory lock, build every cache tier the
-manifest's policy asks for from those same buffers, so the next process takes a fast path. A process that waited
-on the lock re-checks the cache tiers first and loads the one its predecessor built instead of building it again.
+Cold path: holding the directory lock, build the tier the order will use (the first the manifest's policy asks
+for), so the next process takes a fast path, and serve this load the same model the next one gets: a dense tier
+is built from the cold tier's dequantized buffers, which serve this load; a quantized tier is a repack of the
+store (only its other tensors are dequantized), and this load reads it back. A process that waited on the lock
+re-checks the cache tiers first and loads the one its predecessor built instead of building it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import sys
 import warnings
 
 import numpy as np
@@ -26,11 +31,12 @@ from .base import Loaded, Tier
 from .cold import ColdTier
 from .finalized import FinalizedTier
 from .mlx import MlxTier
+from .order import ordered, reason
 from .quantized import Int3Tier, Int4Tier
 
 log = logging.getLogger("squishlike")
 
-ORDER: list[Tier] = [Int4Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers, fastest first
+ORDER: list[Tier] = [Int4Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers (order: tiers/order.py)
 COLD = ColdTier()
 TIERS: list[Tier] = [*ORDER, COLD]
 BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}
@@ -38,16 +44,38 @@ TIER_NAMES = list(BY_NAME)
 
 
 def tier_status(store: NpyDir) -> dict[str, str]:
-    """For `inspect`: each tier's state, 'ready' or why it is not."""
+    """For `inspect`: each cache tier's state, 'ready' or why it is not, in this device's order."""
     status = {}
-    for tier in ORDER:
+    for tier in ordered(ORDER):
         payload, why = tier.ready(store)
         status[tier.name] = "ready" if payload else why
     return status
 
 
+def target(store: NpyDir) -> Tier | None:
+    """The cache tier loads of `store` use on this device: the first in the order that the policy asks for."""
+    return next((t for t in ordered(ORDER) if t.wanted(store)), None)
+
+
+def choice(store: NpyDir) -> tuple[str, str]:
+    """(the tier `load(store)` takes now, why), for `inspect`."""
+    why = reason()
+    ready = next((t for t in ordered(ORDER) if t.ready(store)[0] is not None), None)
+    if ready is not None:
+        return ready.name, f"the first ready tier in the order {_names()} ({why})"
+    goal = target(store)
+    if goal is None:
+        return COLD.name, "no cache tier is ready and the policy asks for none"
+    return COLD.name, f"no cache tier is ready; this load builds tier {goal.name}, later loads take it ({why})"
+
+
+def _names() -> str:
+    return " > ".join(t.name for t in ordered(ORDER))
+
+
 def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> Loaded:
-    """Weights for the model, from the forced `tier` or the first ready one; cold (and build) when none is.
+    """Weights for the model, from the forced `tier` or the first ready one in this device's order; when none is
+    ready, the cold path (which builds the tier the order will use).
 
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
     computes them."""
@@ -59,7 +87,7 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> 
         if loaded is not None:
             return loaded
         # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-        return _cold_and_build(store, lazy, recheck=not damaged)
+        return _cold_and_build(store, target(store), lazy, recheck=not damaged)
     finally:
         fastmem.release()  # a prepare_memory() reservation this load did not use
 
@@ -80,7 +108,7 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
     if lazy:
         return False
     try:
-        candidates = TIERS if tier is None else [t for t in TIERS if t.name == tier]
+        candidates = [*ordered(ORDER), COLD] if tier is None else [t for t in TIERS if t.name == tier]
         chosen, payload = next(((t, p) for t in candidates if (p := t.ready(store)[0]) is not None), (None, None))
         if payload is None:
             return False  # an unknown tier or one that is not ready: load_weights says why
@@ -92,18 +120,24 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
 
 
 def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
+    """The named tier's weights; one the policy asks for but not built yet is built now (cold path)."""
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
-    payload, why = BY_NAME[tier].ready(store)
-    if payload is None:
-        raise TierNotReadyError(f"{store.path / BY_NAME[tier].sentinel}: tier {tier!r} is not ready ({why})")
-    return BY_NAME[tier].load(store, lazy=lazy)
+    chosen = BY_NAME[tier]
+    payload, why = chosen.ready(store)
+    if payload is not None:
+        return chosen.load(store, lazy=lazy)
+    if chosen is not COLD and chosen.wanted(store) and not sentinel_says_damaged(why):
+        _cold_and_build(store, chosen, lazy)
+        if chosen.ready(store)[0] is not None:
+            return chosen.load(store, lazy=lazy)
+    raise TierNotReadyError(f"{store.path / chosen.sentinel}: tier {tier!r} is not ready ({why})")
 
 
 def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None) -> Loaded | None:
     """The first ready tier's weights. With `damaged`, stop at the first tier whose files are damaged (missing,
     wrong size, unreadable header), name it there and return None, so the caller rebuilds it."""
-    for tier in ORDER:
+    for tier in ordered(ORDER):
         payload, why = tier.ready(store)
         if payload is None:
             if damaged is not None and sentinel_says_damaged(why) and tier.wanted(store):
@@ -127,7 +161,11 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
     return None
 
 
-def _cold_and_build(store: NpyDir, lazy: bool = False, recheck: bool = True) -> Loaded:
+def _cold_and_build(store: NpyDir, goal: Tier | None, lazy: bool = False, recheck: bool = True) -> Loaded:
+    """The cold path: build `goal` (the tier later loads will take) under the lock, and return the same weights
+    later loads get: the dense buffers a dense tier was written from, or the quantized tier read back."""
+    if goal is None:
+        return COLD.load(store)  # the policy asks for no cache
     lock = DirectoryLock(store.path)
     try:
         lock.acquire()
@@ -135,30 +173,50 @@ def _cold_and_build(store: NpyDir, lazy: bool = False, recheck: bool = True) -> 
         log.warning("%s: cannot lock (%s); loading from the store without building caches", store.path, e)
         return COLD.load(store)
     try:
-        loaded = _first_ready(store, lazy) if recheck else None  # built by the process we waited for?
-        if loaded is not None:
-            return loaded
+        if recheck and goal.ready(store)[0] is not None:  # built by the process we waited for
+            return goal.load(store, lazy=lazy)
         remove_stale_temps(store.path)
-        loaded, dense = COLD.load_dense(store)
-        build_tiers(store, dense)
-        return loaded
+        with build_progress(store, goal) as progress:
+            loaded, dense = COLD.load_dense(store, only=goal.needs_dense(store))
+            progress.update()
+            built = build_tiers(store, dense, [goal])
+            progress.update()
+        if len(dense) == len(store.entries):
+            return loaded
+        # A quantized tier: this load reads back what it built (page cache), as every later load will.
+        return dataclasses.replace(goal.load(store, lazy=lazy), tier=COLD.name) if built else COLD.load(store)
     finally:
         lock.release()
 
 
-def build_tiers(store: NpyDir, dense: dict[str, np.ndarray]) -> list[str]:
-    """Build the tiers the policy wants that are not ready yet. The caller holds the lock. Returns those built."""
+def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier] | None = None) -> list[str]:
+    """Build those of `tiers` (default: the tier loads will use) the policy wants that are not ready yet, from
+    `dense` (canonical name -> the cold tier's buffer; each tier's needs_dense). The caller holds the lock.
+    Returns those built, and logs (INFO) each with its size on disk."""
     built = []
-    for tier in ORDER:
+    for tier in tiers if tiers is not None else [t for t in [target(store)] if t is not None]:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
             continue
         try:
             tier.build(store, dense)
             built.append(tier.name)
+            log.info("%s: built tier %s (%.1f MB on disk; `squishlike prune` removes it)", store.path, tier.name,
+                     tier.disk_bytes(store) / 1e6)
         except OSError as e:  # disk full, read-only: the load still succeeds from the cold weights
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
     return built
 
 
+@contextlib.contextmanager
+def build_progress(store: NpyDir, goal: Tier):
+    """A progress bar on a terminal (stderr) over the first load's two steps: dequantize, build `goal`."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=2, desc=f"{store.path.name}: first load, building tier {goal.name}", unit="step",
+              disable=None, file=sys.stderr, leave=False) as bar:
+        yield bar
+
+
 __all__ = ["ORDER", "COLD", "TIERS", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
+           "target", "choice", "ordered",
            "prepare_memory", "release_memory"]
