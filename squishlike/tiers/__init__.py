@@ -18,13 +18,15 @@ import dataclasses
 import logging
 import sys
 import warnings
+from collections.abc import Collection
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import FormatError, TierNotReadyError
 from ..io.atomic import remove_stale_temps
 from ..io.lock import DirectoryLock
-from ..io.sentinel import sentinel_says_damaged
+from ..io.sentinel import ABSENT, sentinel_says_damaged
 from ..npydir import NpyDir
 from . import fastmem
 from .base import Loaded, Tier
@@ -57,6 +59,13 @@ def target(store: NpyDir) -> Tier | None:
     return next((t for t in ordered(ORDER) if t.wanted(store)), None)
 
 
+def first_builds(store: NpyDir) -> list[Tier]:
+    """The tiers the cold path builds: the one loads will take, or with a policy that says "all", every tier in it."""
+    if store.manifest.policy.build == "all":
+        return [t for t in ordered(ORDER) if t.wanted(store)]
+    return [t for t in [target(store)] if t is not None]
+
+
 def choice(store: NpyDir) -> tuple[str, str]:
     """(the tier `load(store)` takes now, why), for `inspect`."""
     why = reason()
@@ -73,6 +82,32 @@ def _names() -> str:
     return " > ".join(t.name for t in ordered(ORDER))
 
 
+def prune(store: NpyDir, keep: Collection[str]) -> dict[str, int]:
+    """Remove every cache tier not named in `keep`, and temporaries a killed writer left, holding the directory
+    lock (a load building a tier finishes first). The store itself is never touched; a later load that needs a
+    removed tier rebuilds it. A process reading a tier's files keeps its open files (POSIX). Returns the bytes
+    freed by tier."""
+    unknown = set(keep) - {t.name for t in ORDER}
+    if unknown:
+        raise ValueError(f"unknown tier {', '.join(sorted(unknown))}; choose from {', '.join(t.name for t in ORDER)}")
+    freed = {}
+    with DirectoryLock(store.path):
+        remove_stale_temps(store.path)
+        for tier in ordered(ORDER):
+            if tier.name not in keep:
+                freed[tier.name] = sum(_bytes_under(store.path / rel) for rel in tier.paths)
+                tier.remove(store)
+    return freed
+
+
+def _bytes_under(path: Path) -> int:
+    if path.is_symlink() or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> Loaded:
     """Weights for the model, from the forced `tier` or the first ready one in this device's order; when none is
     ready, the cold path (which builds the tier the order will use).
@@ -87,7 +122,7 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> 
         if loaded is not None:
             return loaded
         # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-        return _cold_and_build(store, target(store), lazy, recheck=not damaged)
+        return _cold_and_build(store, first_builds(store), lazy, recheck=not damaged)
     finally:
         fastmem.release()  # a prepare_memory() reservation this load did not use
 
@@ -120,15 +155,17 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
 
 
 def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
-    """The named tier's weights; one the policy asks for but not built yet is built now (cold path)."""
+    """The named tier's weights; one the policy asks for but never built (no sentinel at all) is built now (cold
+    path). Any other tier that is not ready is an error: a stale, damaged or foreign sentinel is never trusted and
+    never silently replaced by a forced load."""
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
     chosen = BY_NAME[tier]
     payload, why = chosen.ready(store)
     if payload is not None:
         return chosen.load(store, lazy=lazy)
-    if chosen is not COLD and chosen.wanted(store) and not sentinel_says_damaged(why):
-        _cold_and_build(store, chosen, lazy)
+    if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
+        _cold_and_build(store, [chosen], lazy)
         if chosen.ready(store)[0] is not None:
             return chosen.load(store, lazy=lazy)
     raise TierNotReadyError(f"{store.path / chosen.sentinel}: tier {tier!r} is not ready ({why})")
@@ -161,10 +198,10 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
     return None
 
 
-def _cold_and_build(store: NpyDir, goal: Tier | None, lazy: bool = False, recheck: bool = True) -> Loaded:
-    """The cold path: build `goal` (the tier later loads will take) under the lock, and return the same weights
-    later loads get: the dense buffers a dense tier was written from, or the quantized tier read back."""
-    if goal is None:
+def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, recheck: bool = True) -> Loaded:
+    """The cold path: build `goals` under the lock, and return the weights later loads get from the first of them
+    (the tier they take): the dense buffers a dense tier was written from, or the quantized tier read back."""
+    if not goals:
         return COLD.load(store)  # the policy asks for no cache
     lock = DirectoryLock(store.path)
     try:
@@ -173,28 +210,30 @@ def _cold_and_build(store: NpyDir, goal: Tier | None, lazy: bool = False, rechec
         log.warning("%s: cannot lock (%s); loading from the store without building caches", store.path, e)
         return COLD.load(store)
     try:
-        if recheck and goal.ready(store)[0] is not None:  # built by the process we waited for
-            return goal.load(store, lazy=lazy)
+        first = goals[0]
+        if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
+            return first.load(store, lazy=lazy)
         remove_stale_temps(store.path)
-        with build_progress(store, goal) as progress:
-            loaded, dense = COLD.load_dense(store, only=goal.needs_dense(store))
+        with build_progress(store, goals) as progress:
+            loaded, dense = COLD.load_dense(store, only=set().union(*(t.needs_dense(store) for t in goals)))
             progress.update()
-            built = build_tiers(store, dense, [goal])
-            progress.update()
-        if len(dense) == len(store.entries):
+            built = build_tiers(store, dense, goals, progress)
+        if first.needs_dense(store) == set(store.entries):
             return loaded
         # A quantized tier: this load reads back what it built (page cache), as every later load will.
-        return dataclasses.replace(goal.load(store, lazy=lazy), tier=COLD.name) if built else COLD.load(store)
+        if first.name in built:
+            return dataclasses.replace(first.load(store, lazy=lazy), tier=COLD.name)
+        return loaded if len(dense) == len(store.entries) else COLD.load(store)
     finally:
         lock.release()
 
 
-def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier] | None = None) -> list[str]:
-    """Build those of `tiers` (default: the tier loads will use) the policy wants that are not ready yet, from
-    `dense` (canonical name -> the cold tier's buffer; each tier's needs_dense). The caller holds the lock.
-    Returns those built, and logs (INFO) each with its size on disk."""
+def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
+    """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and logs (INFO)
+    each with its size on disk."""
     built = []
-    for tier in tiers if tiers is not None else [t for t in [target(store)] if t is not None]:
+    for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
             continue
         try:
@@ -204,19 +243,22 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier] |
                      tier.disk_bytes(store) / 1e6)
         except OSError as e:  # disk full, read-only: the load still succeeds from the cold weights
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
+        if progress is not None:
+            progress.update()
     return built
 
 
 @contextlib.contextmanager
-def build_progress(store: NpyDir, goal: Tier):
-    """A progress bar on a terminal (stderr) over the first load's two steps: dequantize, build `goal`."""
+def build_progress(store: NpyDir, goals: list[Tier]):
+    """A progress bar on a terminal (stderr) over the first load's steps: dequantize, then build each tier."""
     from tqdm.auto import tqdm
 
-    with tqdm(total=2, desc=f"{store.path.name}: first load, building tier {goal.name}", unit="step",
-              disable=None, file=sys.stderr, leave=False) as bar:
+    names = ", ".join(t.name for t in goals)
+    with tqdm(total=1 + len(goals), desc=f"{store.path.name}: first load, building tier {names}", unit="step",
+              disable=None, file=sys.stderr) as bar:
         yield bar
 
 
 __all__ = ["ORDER", "COLD", "TIERS", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
-           "target", "choice", "ordered",
+           "target", "first_builds", "choice", "ordered", "prune",
            "prepare_memory", "release_memory"]

@@ -24,9 +24,9 @@ def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path)
     out = squishlike.compress(tiny_model, tmp_path / "int8", format="int8", tiers=ALL)
     reference, _ = mlx_lm.load(str(tiny_model))
 
-    cold, tokenizer = squishlike.load(out)  # first load: cold path, builds the tier the order uses (mlx on cpu)
+    cold, tokenizer = squishlike.load(out)  # first load: cold path, builds every tier the policy names
     assert {t.name: t.ready(NpyDir(out))[0] is not None for t in ORDER} == {
-        "int4": False, "int3": False, "mlx": True, "finalized": False}
+        "int4": False, "int3": False, "mlx": True, "finalized": True}
     assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) >= 0.999
     for tier in ("mlx", "finalized", "cold"):
         model, _ = squishlike.load(out, tier=tier)
@@ -65,11 +65,8 @@ def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path, monkeypat
     out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "finalized", "int4"))
     store = NpyDir(out)
     assert load_weights(store).tier == "cold"
-    assert _ready(store) == {first}  # only the tier this device's loads take is built
+    assert _ready(store) == {"mlx", "finalized", "int4"}  # a policy naming its tiers: the first load builds each
     assert load_weights(store).tier == first
-    for forced in ("mlx", "finalized", "int4"):  # a forced tier of the policy is built on demand
-        assert load_weights(store, tier=forced).tier == forced
-    assert _ready(store) == {"mlx", "finalized", "int4"}
     (out / BY_NAME[first].sentinel).unlink()
     assert load_weights(store).tier == second
     (out / BY_NAME[second].sentinel).write_text("")  # empty sentinel never counts
@@ -101,9 +98,12 @@ def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monke
     tier = "mlx" if device == "cpu" else "int4"
     built = [r.getMessage() for r in caplog.records if "built tier" in r.getMessage()]
     assert len(built) == 1 and f"built tier {tier} (" in built[0] and " MB on disk" in built[0]
-    assert _ready(NpyDir(out)) == {tier}
+    assert _ready(NpyDir(out)) == {tier}  # the default policy: only the tier this device's loads take is built
     later, _ = squishlike.load(out)
     assert load_weights(NpyDir(out)).tier == tier
+    other = "int4" if tier == "mlx" else "mlx"
+    assert load_weights(NpyDir(out), tier=other).tier == other  # a forced tier of the policy is built on demand
+    assert _ready(NpyDir(out)) == {tier, other}
 
     def classes(model):
         return [(path, type(m)) for path, m in model.named_modules()]
