@@ -166,4 +166,3 @@ def test_prune_removes_caches_under_the_lock_and_keeps_the_store(tiny_llama, tmp
     again, _ = squishlike.load(out)  # cold, and the tier the order uses is built again
     assert_same_weights(reference, again)
     assert (out / ".squish_ready").exists()
-
