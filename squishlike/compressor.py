@@ -333,7 +333,7 @@ def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, Te
         group_size=opts.group_size,
         clip_search=opts.clip_search,
         source=Source(str(source.absolute()), provider.format, source_fingerprint(source)),
-        policy=Policy(tuple(tiers)),
+        policy=Policy(tuple(tiers), "order" if opts.tiers is None else "all"),  # tiers named: the user wants each
         tensors=entries,
         side_files=side_files,
         extra=dict(opts.extra_manifest),

@@ -8,7 +8,7 @@ from .hub import resolve
 from .npydir import NpyDir, is_npydir
 from .provider import WeightProvider
 from .io.sentinel import read_sentinel, verify_files
-from .tiers import ORDER, tier_status
+from .tiers import ORDER, choice, ordered, tier_status
 
 
 def inspect_model(path: str | Path) -> dict:
@@ -31,11 +31,12 @@ def inspect_model(path: str | Path) -> dict:
             "policy": store.manifest.policy.to_json(),
             "int3_gate": store.manifest.int3_gate or {"passed": False, "reason": "store is not INT3"},
         }
-        report["tiers"] = {}
-        for tier in ORDER:
-            payload, _ = tier.ready(store)
-            size = sum(r["size"] for r in payload["files"].values()) if payload else 0
-            report["tiers"][tier.name] = {"state": status[tier.name], "bytes": size, "wanted": tier.wanted(store)}
+        served, why = choice(store)
+        report["load"] = {"tier": served, "reason": why}
+        report["tiers"] = {
+            tier.name: {"state": status[tier.name], "bytes": tier.disk_bytes(store), "wanted": tier.wanted(store)}
+            for tier in ordered(ORDER)
+        }
         report["quality"] = {
             name: {"scheme": e.scheme, "reason": e.reason, **(e.error.to_json() if e.error else {})}
             for name, e in store.entries.items()

@@ -44,8 +44,10 @@ def load(
     """Load a model and its tokenizer; same arguments and result as `mlx_lm.load`, plus `tier=`.
 
     `tier` forces one tier of an npy-dir ("int4", "int3", "mlx", "finalized", "cold"); a forced tier that is
-    not ready raises TierNotReadyError. Without it the fastest ready tier wins, and the first load of a fresh
-    npy-dir dequantizes the store and builds the caches for every later process.
+    not ready raises TierNotReadyError (one its policy names but never built is built first). Without it the first
+    ready tier in this device's order wins (quantized first on a GPU, dense first on mlx[cpu]: docs/format.md §9),
+    and the first load of a fresh npy-dir builds that tier from the store for every later process, returning the
+    same model they will.
     """
     path = resolve(path_or_hf_repo, revision)
     options = {"tokenizer_config": tokenizer_config, "model_config": model_config, "lazy": lazy,

@@ -8,6 +8,11 @@ child reports its own phases and memory. squishlike's phases come from its debug
 weights and how long they took, what the fast-memory arena did), mlx_lm's from timing its two load steps. A first
 forward pass is timed separately, after the ready mark, as proof that the weights work. Timing inside one warm
 process would hide the imports and reuse memory, which is not what a user who starts a model sees.
+
+Two more ways to run the child, for the figures users feel (issue: load speed where users feel it):
+`--in-process` imports mlx_lm before the clock starts, as a server or notebook that switches models has, so its
+load_s is the in-process load; `--generate N` then streams N tokens greedily from a fixed 64-token prompt and
+reports the first token's moment (first_token_s from spawn: time to first token) and the tokens/s after it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 LOADERS = ("squishlike", "mlx_lm")
 PROMPT = "The capital of France is"
+GENERATION_PROMPT_TOKENS = 64
 
 
 def rss_now() -> int:
@@ -51,25 +57,29 @@ def peak_rss_bytes() -> int:
 
 def run_child(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `python ARGV`, a child that prints a JSON report (its last line) holding `ready_at`, its
-    time.monotonic() when it was ready. Returns the report with wall_s = spawn -> ready, exit_s = spawn -> exit."""
+    time.monotonic() when it was ready. Returns the report with wall_s = spawn -> ready, exit_s = spawn -> exit, and
+    each other `NAME_at` moment as NAME_s, seconds from spawn."""
     started = time.monotonic()
     done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={**os.environ, **(env or {})})
     ended = time.monotonic()
     if done.returncode != 0:
         raise RuntimeError(f"timed child {' '.join(argv)} failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"wall_s": report.pop("ready_at") - started, "exit_s": ended - started, **report}
+    moments = {f"{k.removesuffix('_at')}_s": report.pop(k) - started for k in [k for k in report if k.endswith("_at")]}
+    return {"wall_s": moments.pop("ready_s"), "exit_s": ended - started, **moments, **report}
 
 
 def measure_load(path: str | Path, *, loader: str = "squishlike", tier: str | None = None, forward: bool = False,
-                 env: dict[str, str] | None = None) -> dict[str, Any]:
+                 in_process: bool = False, generate: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Load `path` in a fresh process; return wall seconds (spawn to model and tokenizer ready), the child's
     phase timings (import_s, load_s, weights_s, tokenizer_s for mlx_lm, forward_s) and memory (rss_start,
-    rss_after_import, rss_peak bytes)."""
+    rss_after_import, rss_peak bytes). `in_process`: mlx_lm is imported before load_s starts. `generate`: that
+    many tokens from a 64-token prompt after the load (first_token_s from spawn, tokens_per_s after it)."""
     if loader not in LOADERS:
         raise ValueError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
-    argv = ["-m", "squishlike.loadtime", loader, str(path)]
-    return run_child(argv + (["--tier", tier] if tier else []) + (["--forward"] if forward else []), env)
+    argv = ["-m", "squishlike.loadtime", loader, str(path)] + (["--tier", tier] if tier else [])
+    argv += (["--forward"] if forward else []) + (["--in-process"] if in_process else [])
+    return run_child(argv + (["--generate", str(generate)] if generate else []), env)
 
 
 # ---------------------------------------------------------------------------------------------- the child
@@ -100,8 +110,20 @@ def _timed(module, name: str, into: dict, key: str) -> None:
     setattr(module, name, wrapper)
 
 
-def _load_in_child(loader: str, path: str, tier: str | None, forward: bool) -> dict[str, Any]:
-    """In the fresh process: import, load eagerly, tokenizer ready; then, apart, one forward pass."""
+def _generate(model, tokenizer, tokens: int) -> dict[str, Any]:
+    """Stream `tokens` tokens greedily from a fixed 64-token prompt: the first token's moment, the rate after it."""
+    from mlx_lm.generate import stream_generate
+
+    ids = tokenizer.encode(PROMPT)
+    prompt = (ids * (GENERATION_PROMPT_TOKENS // max(1, len(ids)) + 1))[:GENERATION_PROMPT_TOKENS]
+    moments = [time.monotonic() for _ in stream_generate(model, tokenizer, prompt, max_tokens=tokens)]
+    rate = (len(moments) - 1) / (moments[-1] - moments[0]) if len(moments) > 1 else 0.0
+    return {"first_token_at": moments[0], "generated": len(moments), "tokens_per_s": rate}
+
+
+def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_process: bool = False,
+                   generate: int = 0) -> dict[str, Any]:
+    """In the fresh process: import, load eagerly, tokenizer ready; then, apart, one forward pass or a generation."""
     t0 = time.monotonic()
     rss_start = rss_now()
     import mlx.core as mx
@@ -121,6 +143,8 @@ def _load_in_child(loader: str, path: str, tier: str | None, forward: bool) -> d
         logger.addHandler(log)
         logger.setLevel(logging.DEBUG)
         phases = log.phases
+    if in_process:
+        import mlx_lm  # noqa: F401  what a process that switches models has imported already
     t_import = time.monotonic()
     rss_import = rss_now()
     model, tokenizer = load(path) if loader == "mlx_lm" else load(path, tier=tier)
@@ -135,6 +159,8 @@ def _load_in_child(loader: str, path: str, tier: str | None, forward: bool) -> d
         report["forward"] = {"tokens": len(tokens), "finite": bool(mx.isfinite(logits).all().item()),
                              "argmax": int(mx.argmax(logits).item()),
                              "logit_norm": float(mx.sqrt(mx.sum(logits * logits)).item())}
+    if generate:
+        report.update(_generate(model, tokenizer, generate))
     return report
 
 
@@ -145,8 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path")
     parser.add_argument("--tier")
     parser.add_argument("--forward", action="store_true", help="time a first forward pass after the load")
+    parser.add_argument("--in-process", action="store_true", help="import mlx_lm before the load's clock starts")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="then generate N tokens from a 64-token prompt (time to first token, tokens/s)")
     args = parser.parse_args(argv)
-    print(json.dumps(_load_in_child(args.loader, args.path, args.tier, args.forward)))
+    print(json.dumps(_load_in_child(args.loader, args.path, args.tier, args.forward, args.in_process,
+                                    args.generate)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ memory, a first forward pass apart); the floors and compress runs are fresh proc
 One run measures, alternating the configurations round by round (A B C ... A B C ...):
 - warm loads (the files' pages cached): mlx_lm.load of the source directory and each squishlike tier;
 - cold loads: the files' pages evicted with posix_fadvise(DONTNEED), checked gone with mincore, before each run;
-- the first load of a fresh npy-dir (the cold path dequantizes the store and builds the caches of its policy);
+- in-process loads: `load()` timed in a process that imported mlx_lm first (a server switching models), until the
+  weights are evaluated and the tokenizer is ready, for mlx_lm.load and each squishlike tier;
+- to first token: a whole process with the tier `load` takes by default, to ready and to the first token of a
+  fixed 64-token prompt, then tokens/s after it, against the same script with mlx_lm.load;
+- the first load of a fresh npy-dir (the cold path dequantizes the store and builds the tier this device takes);
 - the floors, in the same run: the memory floor (a fresh process reading the same bytes into fresh memory, the
   fastest way we know: huge pages, one thread per core), the disk floor (sequential read bandwidth from
   evicted pages) and the startup floor (interpreter, import mlx_lm and transformers, the tokenizer: what any

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip the evicted-page-cache figures")
     parser.add_argument("--no-compress", action="store_true", help="skip the compress figures")
     parser.add_argument("--no-forward", action="store_true", help="skip the first forward pass")
+    parser.add_argument("--generate", type=int, default=16, metavar="N",
+                        help="tokens generated in the time-to-first-token figures (default 16; 0 skips them)")
     parser.add_argument("--prime", action="store_true",
                         help="touch and free as much memory as a run needs before each run (see the module doc)")
 
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--runs must be at least 1")
     run_benchmark(model, args.workdir, runs=runs, quick=args.quick, cold=not args.no_cold,
                   do_compress=not args.no_compress, prime=args.prime, forward=not args.no_forward,
-                  out_dir=args.out)
+                  out_dir=args.out, generate=args.generate)
     return 0
 
 

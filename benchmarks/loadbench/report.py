@@ -42,6 +42,19 @@ def markdown(result: dict) -> str:
                      f"| {floor} | {cold} | {rss / GB if rss else 0:.2f} GB | {ratio} | "
                      f"{fig['bytes_on_disk'] / GB:.2f} GB |")
     lines += _table(
+        "| in-process load (mlx_lm imported before) | median s | min s | max s | vs mlx_lm.load | whole process s |",
+        "|---|---:|---:|---:|---:|---:|",
+        [f"| {fig['label']} | {fig['wall_s']['median']:.2f} | {fig['wall_s']['min']:.2f} | {fig['wall_s']['max']:.2f} "
+         f"| {fig.get('speedup_vs_mlx_lm', 0):.2f}x | {fig.get('process_s', {}).get('median', 0):.2f} |"
+         for fig in f.values() if fig["group"] == "inproc"])
+    lines += _table(
+        "| whole process, default tier | to ready s | vs mlx_lm | to first token s (64-token prompt) | vs mlx_lm "
+        "| tokens/s after it | vs mlx_lm |", "|---|---:|---:|---:|---:|---:|---:|",
+        [f"| {fig['label']} | {fig['ready_s']['median']:.2f} | {fig.get('ready_speedup_vs_mlx_lm', 0):.2f}x "
+         f"| {fig['wall_s']['median']:.2f} | {fig.get('speedup_vs_mlx_lm', 0):.2f}x "
+         f"| {fig['tokens_per_s']['median']:.2f} | {fig.get('tokens_per_s_vs_mlx_lm', 0):.2f}x |"
+         for fig in f.values() if fig["group"] == "ttft"])
+    lines += _table(
         "| floor | read s (median / min / max) | GB/s | process s (median) | bytes |", "|---|---:|---:|---:|---:|",
         [f"| {fig['label']} | {fig['read_s']['median']:.2f} / {fig['read_s']['min']:.2f} / {fig['read_s']['max']:.2f} "
          f"| {fig['bytes_on_disk'] / fig['read_s']['median'] / GB:.2f} | {fig['wall_s']['median']:.2f} "
@@ -77,8 +90,9 @@ def plot(result: dict, path: Path) -> Path | None:
         return None
     f = result["figures"]
     rows = [(fig["label"], fig["wall_s"], "floor" if key == "startup" else fig["group"]) for key, fig in f.items()
-            if fig["group"] in ("warm", "first", "cold", "floor", "disk")]  # the startup floor is a floor
-    colors = {"warm": "#4c72b0", "first": "#dd8452", "cold": "#55a868", "floor": "#8c8c8c", "disk": "#b0b0b0"}
+            if fig["group"] in ("warm", "inproc", "ttft", "first", "cold", "floor", "disk")]  # startup: a floor
+    colors = {"warm": "#4c72b0", "inproc": "#8172b2", "ttft": "#c44e52", "first": "#dd8452", "cold": "#55a868",
+              "floor": "#8c8c8c", "disk": "#b0b0b0"}
     fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
     ys = list(range(len(rows)))[::-1]
     for y, (label, w, group) in zip(ys, rows):
@@ -87,8 +101,8 @@ def plot(result: dict, path: Path) -> Path | None:
         ax.text(w["max"] + 0.05, y, f"{w['median']:.2f} s", va="center", fontsize=8)
     ax.set_yticks(ys)
     ax.set_yticklabels([r[0] for r in rows], fontsize=8)
-    ax.set_xlabel("seconds, whole fresh process (median; bars: min-max)")
-    ax.set_title(f"{result['model']}: load time (warm / first load / evicted / floors)")
+    ax.set_xlabel("seconds (median; bars: min-max): whole fresh process, in-process load, or to first token")
+    ax.set_title(f"{result['model']}: load time (warm / in-process / first token / first load / evicted / floors)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -30,7 +30,8 @@ def results(configs, source, workdir, name, runs, prime, elapsed) -> dict:
             continue
         fig = {"label": c.label, "group": c.group, "wall_s": _summary([r["wall_s"] for r in c.runs]),
                "bytes_on_disk": size(c.files), "weight_bytes": c.weight_bytes, "runs": c.runs}
-        for k in ("weights_s", "tokenizer_s", "import_s", "load_s", "read_s", "compress_s"):
+        for k in ("weights_s", "tokenizer_s", "import_s", "load_s", "read_s", "compress_s", "ready_s", "tokens_per_s",
+                  "process_s"):
             vals = [r[k] for r in c.runs if k in r]
             if vals:
                 fig[k] = _summary(vals)
@@ -53,7 +54,12 @@ def results(configs, source, workdir, name, runs, prime, elapsed) -> dict:
         if fig is None:
             continue
         if c.baseline in figures:
-            fig["speedup_vs_mlx_lm"] = figures[c.baseline]["wall_s"]["median"] / fig["wall_s"]["median"]
+            base = figures[c.baseline]
+            fig["speedup_vs_mlx_lm"] = base["wall_s"]["median"] / fig["wall_s"]["median"]
+            if "ready_s" in fig and "ready_s" in base:
+                fig["ready_speedup_vs_mlx_lm"] = base["ready_s"]["median"] / fig["ready_s"]["median"]
+            if "tokens_per_s" in fig and base.get("tokens_per_s", {}).get("median"):
+                fig["tokens_per_s_vs_mlx_lm"] = fig["tokens_per_s"]["median"] / base["tokens_per_s"]["median"]
         floors = [figures[k] for k in (c.floor if isinstance(c.floor, (list, tuple)) else [c.floor]) if k in figures]
         if floors:  # the floor is the faster way of reading those bytes into fresh memory
             floor = min(floors, key=lambda f: f["read_s"]["median"])
@@ -117,6 +123,15 @@ def targets(f: dict, largest: int = 0) -> list[dict]:
         add("int4 tier load >= 8x faster than mlx_lm.load", s, 8, s >= 8)
     if (s := get("finalized", "speedup_vs_mlx_lm")) is not None:
         add("finalized tier load >= 2x faster than mlx_lm.load", s, 2, s >= 2)
+    for tier, limit in (("mlx", 4), ("int4", 8), ("finalized", 2)):
+        if (s := get(f"inproc-{tier}", "speedup_vs_mlx_lm")) is not None:
+            add(f"in-process load, {tier} tier >= {limit}x faster than mlx_lm.load", s, limit, s >= limit)
+    if (s := get("ttft-default", "ready_speedup_vs_mlx_lm")) is not None:
+        add("whole process to ready, default tier >= 2.5x faster than with mlx_lm.load", s, 2.5, s >= 2.5)
+    if (s := get("ttft-default", "speedup_vs_mlx_lm")) is not None:
+        add("time to first token (64-token prompt), default tier: never slower than mlx_lm", s, 1, s >= 1)
+    if (s := get("ttft-default", "tokens_per_s_vs_mlx_lm")) is not None:
+        add("generation tokens/s, default tier: within 5 % of mlx_lm", s, 0.95, s >= 0.95)
     for key, fig in f.items():
         if fig["group"] == "cold" and "cold_read" in fig and key != "evicted-mlx_lm":
             r = fig["cold_read"]["vs_disk_floor"]

@@ -53,7 +53,25 @@ WARM_KEYS = ("mlx_lm", "int4", "mlx", "finalized", "cold-tier-int8", "cold-tier-
 QUICK_KEYS = ("mlx_lm", "int4", "mlx", "finalized", "cold-tier-int4")
 
 
-def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, name: str) -> list[Config]:
+def _in_process(loader: str, path: Path, tier: str | None):
+    """A run of the in-process figure: load() timed after mlx_lm is imported (its wall_s is that load)."""
+    def once() -> dict:
+        report = measure_load(path, loader=loader, tier=tier, in_process=True)
+        return {**report, "process_s": report["wall_s"], "wall_s": report["load_s"]}
+    return once
+
+
+def _to_first_token(loader: str, path: Path, tokens: int):
+    """A run of the time-to-first-token figure, default tier: its wall_s is spawn -> first token; ready_s is
+    spawn -> ready (whole process to ready), tokens_per_s the generation after the first token."""
+    def once() -> dict:
+        report = measure_load(path, loader=loader, generate=tokens)
+        return {**report, "ready_s": report["wall_s"], "wall_s": report["first_token_s"]}
+    return once
+
+
+def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, name: str,
+          generate: int = 16) -> list[Config]:
     int8 = prepare_store(source, work / f"{name}-int8", "int8", with_finalized=True)
     int4 = prepare_store(source, work / f"{name}-int4", "int4", with_finalized=False)
     fresh8 = fresh_clone(int8, work / f"{name}-int8-fresh")
@@ -90,13 +108,23 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
                               files=files, weight_bytes=size(files), prime=size(files) + slack))
     configs.append(Config("startup", "startup floor: interpreter, import mlx_lm, tokenizer (no weights)", "warm",
                           lambda: _probe(["startup", str(source)]), baseline="mlx_lm"))
+    for key, label, loader, path, tier, files in loads:
+        if key in ("mlx_lm", "int4", "mlx", "finalized"):
+            configs.append(Config(f"inproc-{key}", f"in-process: {label}", "inproc", _in_process(loader, path, tier),
+                                  files=files, weight_bytes=in_memory[key], baseline="inproc-mlx_lm"))
+    if generate:
+        for key, label, loader, path in [("ttft-mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source),
+                                         ("ttft-default", "squishlike, default tier (int4 store)", "squishlike",
+                                          int4)]:
+            configs.append(Config(key, f"to first token: {label}", "ttft", _to_first_token(loader, path, generate),
+                                  files=src_files, weight_bytes=src_bytes, baseline="ttft-mlx_lm"))
     if not quick:
         mlx_files = tier_files(int8, "mlx")
         configs.append(Config("floor-4k-mlx", "memory floor, 4 KiB pages: mlx tier bytes", "floor",
                               floor_of(mlx_files, "4k"), files=mlx_files, weight_bytes=src_bytes,
                               prime=src_bytes + slack))
-    firsts = [("first-int8", "first load, fresh int8 npy-dir (builds the mlx tier)", fresh8),
-              ("first-int4", "first load, fresh int4 npy-dir (builds the mlx + int4 tiers)", fresh4)]
+    firsts = [("first-int8", "first load, fresh int8 npy-dir (builds the tier this device takes)", fresh8),
+              ("first-int4", "first load, fresh int4 npy-dir (builds the tier this device takes)", fresh4)]
     for key, label, store in firsts[1:] if quick else firsts:
         configs.append(Config(key, label, "first", load("squishlike", store), files=tier_files(store, "cold"),
                               weight_bytes=src_bytes, prime=src_bytes + slack, baseline="mlx_lm",
@@ -124,7 +152,7 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
 
 def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False, cold: bool = True,
                   do_compress: bool = True, prime: bool = False, forward: bool = True, out_dir: Path | None = None,
-                  log=print) -> dict:
+                  generate: int = 16, log=print) -> dict:
     """Prepare the models and stores under `workdir`, run every figure, write JSON, Markdown and PNG."""
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -141,11 +169,11 @@ def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False,
         if not source_files(source):
             raise FileNotFoundError(f"{model}: no model*.safetensors there (or give one of: smollm, qwen1.5b)")
     log(f"source: {source} ({size(source_files(source)) / GB:.2f} GB); preparing the stores ...")
-    configs = _plan(source, workdir, quick, cold, do_compress, name)
+    configs = _plan(source, workdir, quick, cold, do_compress, name, generate)
     for c in configs:
         if not c.evict:
             warm(c.files)
-    for group in ("warm", "first", "cold", "compress"):
+    for group in ("warm", "inproc", "ttft", "first", "cold", "compress"):
         members = [c for c in configs if c.group == group or (group, c.group) in (("warm", "floor"), ("cold", "disk"))]
         count = 1 if group == "compress" and quick else runs
         for r in range(count):

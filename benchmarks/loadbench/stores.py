@@ -26,8 +26,9 @@ def prepare_store(source: Path, out: Path, fmt: str, with_finalized: bool) -> Pa
         _run_script(f"import squishlike; squishlike.compress({str(source)!r}, {str(out)!r}, format={fmt!r}, force=True)")
     store = NpyDir(out)
     status = tier_status(store)
-    if any(status[t.name] != "ready" for t in _policy_tiers(store)):
-        _run_script(f"import squishlike; squishlike.load({str(out)!r})")  # the first load builds the caches
+    for tier in _policy_tiers(store):  # the first load builds only the one this device takes: force each
+        if status[tier.name] != "ready":
+            _run_script(f"import squishlike; squishlike.load({str(out)!r}, tier={tier.name!r})")
     if with_finalized and tier_status(NpyDir(out))["finalized"] != "ready":
         _run_script(
             "from squishlike.npydir import NpyDir\n"

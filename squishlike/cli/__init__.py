@@ -19,7 +19,8 @@ import sys
 from .. import __version__
 from ..errors import DirectoryBusyError, IntegrityError, SquishError
 
-SUBCOMMANDS = ("compress", "generate", "chat", "server", "inspect", "verify", "export", "eval", "bench", "demo")
+SUBCOMMANDS = ("compress", "generate", "chat", "server", "inspect", "verify", "export", "eval", "bench", "demo",
+               "prune")
 USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, SquishError)
 RUNTIME_ERRORS = (IntegrityError, DirectoryBusyError)
 

@@ -1,5 +1,6 @@
 """Describe a model on disk: its format, config and tensor table; for an npy-dir also which tiers are present,
-ready or stale, their sizes, and per-tensor error."""
+ready or stale, their sizes on disk (in this device's order), which one `load` takes here and why, and per-tensor
+error."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nstore: {store['scheme']}, runtime {store['runtime_dtype']}, {store['bytes'] / 1e6:.1f} MB")
         for name, t in report["tiers"].items():
             print(f"  tier {name:10} {t['state']:40} {t['bytes'] / 1e6:10.1f} MB  {'(in policy)' if t['wanted'] else ''}")
+        print(f"  load takes tier {report['load']['tier']}: {report['load']['reason']}")
         gate = store["int3_gate"]
         if not gate.get("passed"):
             print(f"  no 3-bit tier: {gate.get('reason', 'the INT3 accuracy gate was not passed')}")

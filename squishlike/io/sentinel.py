@@ -10,6 +10,7 @@ from .atomic import write_json
 from .checksum import CHECKSUM, file_checksum
 
 SENTINEL_VERSION = 1
+ABSENT = "absent"  # read_sentinel's reason when there is no sentinel at all (the tier was never built or was removed)
 
 
 def write_sentinel(path: Path, *, manifest_fingerprint: str, files: dict[str, dict], **extra: Any) -> None:
@@ -31,7 +32,7 @@ def read_sentinel(path: Path, manifest_fingerprint: str) -> tuple[dict | None, s
     cheap.
     """
     if not path.is_file():  # never open a FIFO or a device: reading it could block forever
-        return None, "absent" if not (path.exists() or path.is_symlink()) else "not a regular file"
+        return None, ABSENT if not (path.exists() or path.is_symlink()) else "not a regular file"
     try:
         payload = json.loads(path.read_bytes())
     except (OSError, ValueError, RecursionError):  # ValueError: bad JSON, bad UTF-8, a 5000-digit number

@@ -213,19 +213,24 @@ class Source(_Flat):
 
 @dataclass(frozen=True)
 class Policy:
-    """The cache policy: the tiers a load should build and prefer."""
+    """The cache policy: the tiers loads may build and use, and which of them the first load builds: "order",
+    only the one this device's tier order takes (docs/format.md §9), or "all" of them."""
 
     tiers: tuple[str, ...]
+    build: str = "order"
 
     @classmethod
     def from_json(cls, raw: Any) -> Policy:
         tiers = _typed(raw, dict, "policy")["tiers"]
         if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
             raise TypeError(f"policy tiers {tiers!r} is not a list of tier names")
-        return cls(tuple(tiers))
+        build = raw.get("build", "order")
+        if build not in ("order", "all"):
+            raise ValueError(f"policy build {build!r} is neither 'order' nor 'all'")
+        return cls(tuple(tiers), build)
 
     def to_json(self) -> dict:
-        return {"tiers": list(self.tiers)}
+        return {"tiers": list(self.tiers), "build": self.build}
 
 
 # What a store's tensor names are (docs/format.md §2): squishlike's canonical names from a family's rule table, or

@@ -1,36 +1,44 @@
-"""The decision tree (docs/format.md §9): the first ready tier in TIERS serves the load. The cache tiers (ORDER)
-come first; the cold tier, last, is always ready.
+"""The decision tree (docs/format.md §9): the first ready cache tier in the device's order (tiers/order.py) serves
+the load; the cold tier, last, is always ready.
 
-Adding a cache tier means adding a module with a `Tier` subclass and one entry in ORDER.
+Adding a cache tier means adding a module with a `Tier` subclass, one entry in ORDER and its name in
+order.PREFERENCE.
 
-Cold path: dequantize `tensors/` (tiers/cold.py), then, holding the directory lock, build every cache tier the
-manifest's policy asks for from those same buffers, so the next process takes a fast path. A process that waited
-on the lock re-checks the cache tiers first and loads the one its predecessor built instead of building it again.
+Cold path: holding the directory lock, build the tier the order will use (the first the manifest's policy asks
+for), so the next process takes a fast path, and serve this load the same model the next one gets: a dense tier
+is built from the cold tier's dequantized buffers, which serve this load; a quantized tier is a repack of the
+store (only its other tensors are dequantized), and this load reads it back. A process that waited on the lock
+re-checks the cache tiers first and loads the one its predecessor built instead of building it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import sys
 import warnings
+from collections.abc import Collection
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import FormatError, TierNotReadyError
 from ..io.atomic import remove_stale_temps
 from ..io.lock import DirectoryLock
-from ..io.sentinel import sentinel_says_damaged
+from ..io.sentinel import ABSENT, sentinel_says_damaged
 from ..npydir import NpyDir
 from . import fastmem
 from .base import Loaded, Tier
 from .cold import ColdTier
 from .finalized import FinalizedTier
 from .mlx import MlxTier
+from .order import ordered, reason
 from .quantized import Int3Tier, Int4Tier
 
 log = logging.getLogger("squishlike")
 
-ORDER: list[Tier] = [Int4Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers, fastest first
+ORDER: list[Tier] = [Int4Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers (order: tiers/order.py)
 COLD = ColdTier()
 TIERS: list[Tier] = [*ORDER, COLD]
 BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}
@@ -38,16 +46,71 @@ TIER_NAMES = list(BY_NAME)
 
 
 def tier_status(store: NpyDir) -> dict[str, str]:
-    """For `inspect`: each tier's state, 'ready' or why it is not."""
+    """For `inspect`: each cache tier's state, 'ready' or why it is not, in this device's order."""
     status = {}
-    for tier in ORDER:
+    for tier in ordered(ORDER):
         payload, why = tier.ready(store)
         status[tier.name] = "ready" if payload else why
     return status
 
 
+def target(store: NpyDir) -> Tier | None:
+    """The cache tier loads of `store` use on this device: the first in the order that the policy asks for."""
+    return next((t for t in ordered(ORDER) if t.wanted(store)), None)
+
+
+def first_builds(store: NpyDir) -> list[Tier]:
+    """The tiers the cold path builds: the one loads will take, or with a policy that says "all", every tier in it."""
+    if store.manifest.policy.build == "all":
+        return [t for t in ordered(ORDER) if t.wanted(store)]
+    return [t for t in [target(store)] if t is not None]
+
+
+def choice(store: NpyDir) -> tuple[str, str]:
+    """(the tier `load(store)` takes now, why), for `inspect`."""
+    why = reason()
+    ready = next((t for t in ordered(ORDER) if t.ready(store)[0] is not None), None)
+    if ready is not None:
+        return ready.name, f"the first ready tier in the order {_names()} ({why})"
+    goal = target(store)
+    if goal is None:
+        return COLD.name, "no cache tier is ready and the policy asks for none"
+    return COLD.name, f"no cache tier is ready; this load builds tier {goal.name}, later loads take it ({why})"
+
+
+def _names() -> str:
+    return " > ".join(t.name for t in ordered(ORDER))
+
+
+def prune(store: NpyDir, keep: Collection[str]) -> dict[str, int]:
+    """Remove every cache tier not named in `keep`, and temporaries a killed writer left, holding the directory
+    lock (a load building a tier finishes first). The store itself is never touched; a later load that needs a
+    removed tier rebuilds it. A process reading a tier's files keeps its open files (POSIX). Returns the bytes
+    freed by tier."""
+    unknown = set(keep) - {t.name for t in ORDER}
+    if unknown:
+        raise ValueError(f"unknown tier {', '.join(sorted(unknown))}; choose from {', '.join(t.name for t in ORDER)}")
+    freed = {}
+    with DirectoryLock(store.path):
+        remove_stale_temps(store.path)
+        for tier in ordered(ORDER):
+            if tier.name not in keep:
+                freed[tier.name] = sum(_bytes_under(store.path / rel) for rel in tier.paths)
+                tier.remove(store)
+    return freed
+
+
+def _bytes_under(path: Path) -> int:
+    if path.is_symlink() or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> Loaded:
-    """Weights for the model, from the forced `tier` or the first ready one; cold (and build) when none is.
+    """Weights for the model, from the forced `tier` or the first ready one in this device's order; when none is
+    ready, the cold path (which builds the tier the order will use).
 
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
     computes them."""
@@ -59,7 +122,7 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> 
         if loaded is not None:
             return loaded
         # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-        return _cold_and_build(store, lazy, recheck=not damaged)
+        return _cold_and_build(store, first_builds(store), lazy, recheck=not damaged)
     finally:
         fastmem.release()  # a prepare_memory() reservation this load did not use
 
@@ -80,7 +143,7 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
     if lazy:
         return False
     try:
-        candidates = TIERS if tier is None else [t for t in TIERS if t.name == tier]
+        candidates = [*ordered(ORDER), COLD] if tier is None else [t for t in TIERS if t.name == tier]
         chosen, payload = next(((t, p) for t in candidates if (p := t.ready(store)[0]) is not None), (None, None))
         if payload is None:
             return False  # an unknown tier or one that is not ready: load_weights says why
@@ -92,18 +155,26 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
 
 
 def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
+    """The named tier's weights; one the policy asks for but never built (no sentinel at all) is built now (cold
+    path). Any other tier that is not ready is an error: a stale, damaged or foreign sentinel is never trusted and
+    never silently replaced by a forced load."""
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
-    payload, why = BY_NAME[tier].ready(store)
-    if payload is None:
-        raise TierNotReadyError(f"{store.path / BY_NAME[tier].sentinel}: tier {tier!r} is not ready ({why})")
-    return BY_NAME[tier].load(store, lazy=lazy)
+    chosen = BY_NAME[tier]
+    payload, why = chosen.ready(store)
+    if payload is not None:
+        return chosen.load(store, lazy=lazy)
+    if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
+        _cold_and_build(store, [chosen], lazy)
+        if chosen.ready(store)[0] is not None:
+            return chosen.load(store, lazy=lazy)
+    raise TierNotReadyError(f"{store.path / chosen.sentinel}: tier {tier!r} is not ready ({why})")
 
 
 def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None) -> Loaded | None:
     """The first ready tier's weights. With `damaged`, stop at the first tier whose files are damaged (missing,
     wrong size, unreadable header), name it there and return None, so the caller rebuilds it."""
-    for tier in ORDER:
+    for tier in ordered(ORDER):
         payload, why = tier.ready(store)
         if payload is None:
             if damaged is not None and sentinel_says_damaged(why) and tier.wanted(store):
@@ -127,7 +198,11 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
     return None
 
 
-def _cold_and_build(store: NpyDir, lazy: bool = False, recheck: bool = True) -> Loaded:
+def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, recheck: bool = True) -> Loaded:
+    """The cold path: build `goals` under the lock, and return the weights later loads get from the first of them
+    (the tier they take): the dense buffers a dense tier was written from, or the quantized tier read back."""
+    if not goals:
+        return COLD.load(store)  # the policy asks for no cache
     lock = DirectoryLock(store.path)
     try:
         lock.acquire()
@@ -135,30 +210,55 @@ def _cold_and_build(store: NpyDir, lazy: bool = False, recheck: bool = True) -> 
         log.warning("%s: cannot lock (%s); loading from the store without building caches", store.path, e)
         return COLD.load(store)
     try:
-        loaded = _first_ready(store, lazy) if recheck else None  # built by the process we waited for?
-        if loaded is not None:
-            return loaded
+        first = goals[0]
+        if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
+            return first.load(store, lazy=lazy)
         remove_stale_temps(store.path)
-        loaded, dense = COLD.load_dense(store)
-        build_tiers(store, dense)
-        return loaded
+        with build_progress(store, goals) as progress:
+            loaded, dense = COLD.load_dense(store, only=set().union(*(t.needs_dense(store) for t in goals)))
+            progress.update()
+            built = build_tiers(store, dense, goals, progress)
+        if first.needs_dense(store) == set(store.entries):
+            return loaded
+        # A quantized tier: this load reads back what it built (page cache), as every later load will.
+        if first.name in built:
+            return dataclasses.replace(first.load(store, lazy=lazy), tier=COLD.name)
+        return loaded if len(dense) == len(store.entries) else COLD.load(store)
     finally:
         lock.release()
 
 
-def build_tiers(store: NpyDir, dense: dict[str, np.ndarray]) -> list[str]:
-    """Build the tiers the policy wants that are not ready yet. The caller holds the lock. Returns those built."""
+def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
+    """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and logs (INFO)
+    each with its size on disk."""
     built = []
-    for tier in ORDER:
+    for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
             continue
         try:
             tier.build(store, dense)
             built.append(tier.name)
+            log.info("%s: built tier %s (%.1f MB on disk; `squishlike prune` removes it)", store.path, tier.name,
+                     tier.disk_bytes(store) / 1e6)
         except OSError as e:  # disk full, read-only: the load still succeeds from the cold weights
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
+        if progress is not None:
+            progress.update()
     return built
 
 
+@contextlib.contextmanager
+def build_progress(store: NpyDir, goals: list[Tier]):
+    """A progress bar on a terminal (stderr) over the first load's steps: dequantize, then build each tier."""
+    from tqdm.auto import tqdm
+
+    names = ", ".join(t.name for t in goals)
+    with tqdm(total=1 + len(goals), desc=f"{store.path.name}: first load, building tier {names}", unit="step",
+              disable=None, file=sys.stderr) as bar:
+        yield bar
+
+
 __all__ = ["ORDER", "COLD", "TIERS", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
+           "target", "first_builds", "choice", "ordered", "prune",
            "prepare_memory", "release_memory"]

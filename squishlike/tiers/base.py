@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,6 +30,7 @@ class Loaded:
 class Tier(ABC):
     name: ClassVar[str]
     sentinel: ClassVar[str]  # path of the sentinel file, relative to the npy-dir
+    paths: ClassVar[tuple[str, ...]] = ()  # the files and directories the tier writes, relative to the npy-dir
 
     def wanted(self, store: NpyDir) -> bool:
         """Whether the store's cache policy asks for this tier (and the store can feed it)."""
@@ -43,6 +45,26 @@ class Tier(ABC):
     def nbytes(self, store: NpyDir) -> int:
         """About how many bytes of memory a load from this tier fills (to reserve them ahead, tiers/fastmem.py)."""
         return runtime_bytes(store)
+
+    def needs_dense(self, store: NpyDir) -> set[str]:
+        """The canonical names whose dequantized buffers build() reads: every tensor, unless the tier repacks some."""
+        return set(store.entries)
+
+    def disk_bytes(self, store: NpyDir) -> int:
+        """The bytes of the tier's files on disk, as its sentinel records them; 0 when it is not ready."""
+        payload, _ = self.ready(store)
+        return sum(record["size"] for record in payload["files"].values()) if payload else 0
+
+    def remove(self, store: NpyDir) -> None:
+        """Delete the tier's sentinel, then its files (`paths`). The caller holds the directory lock."""
+        self.invalidate(store)
+        for rel in self.paths:
+            path = store.path / rel
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def invalidate(self, store: NpyDir) -> None:
         """Remove the sentinel first, so the tier never counts as ready while its files are being replaced."""

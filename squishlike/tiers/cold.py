@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -34,13 +35,15 @@ class ColdTier(Tier):
         """Always computed: `lazy` does not apply to dequantization."""
         return self.load_dense(store)[0]
 
-    def load_dense(self, store: NpyDir) -> tuple[Loaded, dict[str, np.ndarray]]:
-        """(the weights, the same memory as NumPy arrays by canonical name: what the cache tiers build from)."""
+    def load_dense(self, store: NpyDir, only: Collection[str] | None = None) -> tuple[Loaded, dict[str, np.ndarray]]:
+        """(the weights, the same memory as NumPy arrays by canonical name: what the cache tiers build from).
+
+        `only`: dequantize just these tensors (what a quantized tier's build needs); the weights are then partial."""
         store.check_part_sizes()  # before allocating from the manifest's shapes
         prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
-        buffers, dense = _allocate(store)
+        buffers, dense = _allocate(store, set(store.entries) if only is None else set(only))
         _dequantize_all(store, dense)
-        names = mlx_names(store)
+        names = mlx_names(store)  # canonical -> mlx_lm parameter name
         if store.runtime_dtype == "bfloat16":
             weights = {names[n]: b.view(mx.bfloat16) for n, b in buffers.items()}
         else:
@@ -51,18 +54,19 @@ class ColdTier(Tier):
         """Nothing: compress wrote this tier."""
 
 
-def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
-    """The model's final arrays (runtime dtype, bf16 as uint16), allocated by MLX in huge pages, and writable
-    NumPy views of them for the kernels to dequantize into."""
+def _allocate(store: NpyDir, names: set[str]) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
+    """The model's final arrays for `names` (runtime dtype, bf16 as uint16), allocated by MLX in huge pages, and
+    writable NumPy views of them for the kernels to dequantize into."""
     dtype = store.runtime_dtype
     itemsize = NP_STORAGE[dtype].itemsize
-    largest_first = sorted(store.entries, key=lambda n: -math.prod(store.entries[n].shape))
-    sizes = {name: math.prod(store.entries[name].shape) * itemsize for name in largest_first}
+    entries = {name: entry for name, entry in store.entries.items() if name in names}
+    largest_first = sorted(entries, key=lambda n: -math.prod(entries[n].shape))
+    sizes = {name: math.prod(entries[name].shape) * itemsize for name in largest_first}
     chosen = assign_streams(sizes)  # the zero-fill that faults the pages in runs on every core
     streams = cpu_streams()
     buffers = {
         name: mx.zeros(entry.shape, dtype=MX_STORAGE[dtype], stream=streams[chosen[name]])
-        for name, entry in store.entries.items()
+        for name, entry in entries.items()
     }
     with huge_page_arena(sum(sizes.values())):
         mx.eval(list(buffers.values()))
@@ -70,7 +74,7 @@ def _allocate(store: NpyDir) -> tuple[dict[str, mx.array], dict[str, np.ndarray]
     if all(a.flags.writeable and a.flags.c_contiguous for a in dense.values()):
         return buffers, dense
     # An MLX that does not lend its memory out writable: dequantize into NumPy, then copy into MLX.
-    dense = {name: np.empty(store.entries[name].shape, NP_STORAGE[dtype]) for name in store.entries}
+    dense = {name: np.empty(entry.shape, NP_STORAGE[dtype]) for name, entry in entries.items()}
     _dequantize_all(store, dense)
     buffers = {name: mx.array(a) for name, a in dense.items()}
     return buffers, {name: np.asarray(b) for name, b in buffers.items()}

@@ -29,6 +29,7 @@ DIRECTORY = "finalized"
 class FinalizedTier(Tier):
     name = "finalized"
     sentinel = f"{DIRECTORY}/.ready"
+    paths = (DIRECTORY,)
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         names = mlx_names(store)

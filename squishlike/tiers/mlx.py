@@ -25,6 +25,7 @@ METADATA = {"format": "mlx"}  # what mx.save_safetensors records
 class MlxTier(Tier):
     name = "mlx"
     sentinel = ".squish_ready"
+    paths = (WEIGHTS,)
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         return Loaded(load_safetensors(store.path / WEIGHTS, lazy=lazy), store.config(), self.name)

@@ -36,6 +36,10 @@ class QuantizedTier(Tier):
     def wanted(self, store: NpyDir) -> bool:
         return super().wanted(store) and self.scheme in store.manifest.schemes
 
+    def needs_dense(self, store: NpyDir) -> set[str]:
+        """Only the tensors stored another way: those of the tier's scheme are repacked from the store's parts."""
+        return {name for name, entry in store.entries.items() if entry.scheme != self.scheme}
+
     def nbytes(self, store: NpyDir) -> int:
         with contextlib.suppress(OSError):
             return (store.path / self.directory / WEIGHTS).stat().st_size
@@ -108,6 +112,7 @@ class Int4Tier(QuantizedTier):
     scheme = "int4"
     bits = 4
     directory = "squish_4bit"
+    paths = (directory,)
     sentinel = ".squish_4bit_ready"
 
 
@@ -118,6 +123,7 @@ class Int3Tier(QuantizedTier):
     scheme = "int3"
     bits = 3
     directory = "squish_3bit"
+    paths = (directory,)
     sentinel = ".squish_3bit_ready"
 
     def wanted(self, store: NpyDir) -> bool:

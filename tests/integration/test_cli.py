@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from support.tiny_models import assert_same_weights
 
 import squishlike
+from squishlike.io.lock import DirectoryLock
 from squishlike.npydir import NpyDir
 
 
@@ -26,7 +28,8 @@ def looks_complete(path) -> bool:
 
 def test_help_explains_every_command():
     out = cli("--help").stdout
-    for command in ("compress", "generate", "chat", "server", "inspect", "verify", "export", "eval", "bench", "demo"):
+    for command in ("compress", "generate", "chat", "server", "inspect", "verify", "export", "eval", "bench", "demo",
+                    "prune"):
         assert command in out
     assert "--group-size" in cli("compress", "--help").stdout
     assert "--prompt-concurrency" in cli("server", "--help").stdout  # mlx_lm.server's own flags
@@ -106,7 +109,7 @@ def test_forced_tier_not_ready(tiny_llama, tmp_path):
 
 
 def test_inspect_and_verify(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4")
+    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4", tiers=("int4", "mlx"))
     squishlike.load(out)
     report = json.loads(cli("inspect", out, "--json").stdout)
     assert report["format"] == "npydir"
@@ -121,3 +124,45 @@ def test_inspect_and_verify(tiny_llama, tmp_path):
     victim.write_bytes(bytes(data))
     done = cli("verify", out, check_rc=1)
     assert victim.name in done.stdout
+
+
+def test_inspect_says_which_tier_load_takes_and_why(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4")
+    report = json.loads(cli("inspect", out, "--json").stdout)
+    assert report["load"]["tier"] == "cold" and "this load builds tier mlx" in report["load"]["reason"]
+    squishlike.load(out)
+    report = json.loads(cli("inspect", out, "--json").stdout)
+    assert list(report["tiers"]) == ["mlx", "finalized", "int4", "int3"]  # this (cpu) device's order
+    assert report["load"]["tier"] == "mlx" and "quantized matmul is slow on mlx[cpu]" in report["load"]["reason"]
+    assert report["tiers"]["mlx"]["bytes"] == (out / "squish_weights.safetensors").stat().st_size
+    assert report["tiers"]["int4"] == {"state": "absent", "bytes": 0, "wanted": True}
+    assert "load takes tier mlx: the first ready tier" in cli("inspect", out).stdout
+
+
+def test_prune_removes_caches_under_the_lock_and_keeps_the_store(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4", tiers=("mlx", "finalized", "int4"))
+    reference, _ = squishlike.load(out)
+    store_files = {p: p.read_bytes() for p in (out / "tensors").iterdir()}
+    mlx_bytes = (out / "squish_weights.safetensors").stat().st_size
+
+    done = cli("prune", out)  # default: keep only the tier load takes here (mlx on cpu)
+    assert "removed tier finalized" in done.stdout and "removed tier int4" in done.stdout and "kept mlx" in done.stdout
+    assert not (out / "finalized").exists() and not (out / "squish_4bit").exists()
+    assert (out / "squish_weights.safetensors").stat().st_size == mlx_bytes
+
+    bad = cli("prune", out, "--keep", "fast", check_rc=2)
+    assert "unknown tier fast" in bad.stderr and (out / "squish_weights.safetensors").exists()
+
+    with DirectoryLock(out):  # a load building a tier holds the lock: prune waits for it
+        waiting = subprocess.Popen([sys.executable, "-m", "squishlike", "prune", str(out), "--keep", ""],
+                                   stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=3)
+        assert (out / "squish_weights.safetensors").exists()
+    assert waiting.wait(timeout=60) == 0 and "removed tier mlx" in waiting.stdout.read()
+    assert not (out / "squish_weights.safetensors").exists() and not (out / ".squish_ready").exists()
+    assert {p: p.read_bytes() for p in (out / "tensors").iterdir()} == store_files
+    assert cli("verify", out).stdout.strip().endswith("OK")
+    again, _ = squishlike.load(out)  # cold, and the tier the order uses is built again
+    assert_same_weights(reference, again)
+    assert (out / ".squish_ready").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,7 +14,7 @@ from support.tiny_models import assert_same_weights, cosine, logits
 import squishlike
 from squishlike.errors import TierNotReadyError
 from squishlike.npydir import NpyDir
-from squishlike.tiers import ORDER, load_weights
+from squishlike.tiers import BY_NAME, ORDER, load_weights, order
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
 ALL = ("mlx", "finalized", "int4", "int3")
@@ -23,7 +24,7 @@ def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path)
     out = squishlike.compress(tiny_model, tmp_path / "int8", format="int8", tiers=ALL)
     reference, _ = mlx_lm.load(str(tiny_model))
 
-    cold, tokenizer = squishlike.load(out)  # first load: cold path, builds the caches
+    cold, tokenizer = squishlike.load(out)  # first load: cold path, builds every tier the policy names
     assert {t.name: t.ready(NpyDir(out))[0] is not None for t in ORDER} == {
         "int4": False, "int3": False, "mlx": True, "finalized": True}
     assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) >= 0.999
@@ -54,20 +55,30 @@ def _open_int3_gate(out) -> None:
     (out / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path):
+def _ready(store: NpyDir) -> set[str]:
+    return {t.name for t in ORDER if t.ready(store)[0] is not None}
+
+
+@pytest.mark.parametrize("device,first,second", [("cpu", "mlx", "finalized"), ("gpu", "int4", "mlx")])
+def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path, monkeypatch, device, first, second):
+    monkeypatch.setattr(order, "device_kind", lambda: device)
     out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "finalized", "int4"))
     store = NpyDir(out)
     assert load_weights(store).tier == "cold"
-    assert load_weights(store).tier == "int4"
-    (out / ".squish_4bit_ready").unlink()
-    assert load_weights(store).tier == "mlx"
-    (out / ".squish_ready").write_text("")  # empty sentinel never counts
-    assert load_weights(store).tier == "finalized"
-    (out / "finalized" / ".ready").write_text(json.dumps({"format_version": 1, "manifest_fingerprint": "0" * 64,
-                                                         "files": {"x.npy": {"size": 1}}}))
-    # Nothing valid left: cold again, and the cold path rebuilds every tier of the policy.
+    assert _ready(store) == {"mlx", "finalized", "int4"}  # a policy naming its tiers: the first load builds each
+    assert load_weights(store).tier == first
+    (out / BY_NAME[first].sentinel).unlink()
+    assert load_weights(store).tier == second
+    (out / BY_NAME[second].sentinel).write_text("")  # empty sentinel never counts
+    (out / BY_NAME[first].sentinel).write_text(json.dumps({"format_version": 1, "manifest_fingerprint": "0" * 64,
+                                                          "files": {"x.npy": {"size": 1}}}))
+    remaining = ({"mlx", "finalized", "int4"} - {first, second}).pop()
+    assert load_weights(store).tier == remaining
+    for tier in ("mlx", "finalized", "int4"):
+        BY_NAME[tier].remove(store)
+    # Nothing valid left: cold again, and the cold path rebuilds the first tier of the order.
     assert load_weights(store).tier == "cold"
-    assert load_weights(store).tier == "int4"
+    assert load_weights(store).tier == first
 
     # A changed manifest makes every existing sentinel stale.
     manifest = json.loads((out / "manifest.json").read_text())
@@ -76,6 +87,30 @@ def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path):
     store = NpyDir(out)
     assert all(t.ready(store)[0] is None for t in ORDER)
     assert load_weights(store).tier == "cold"
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monkeypatch, caplog, device):
+    monkeypatch.setattr(order, "device_kind", lambda: device)
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4")
+    with caplog.at_level(logging.INFO, logger="squishlike"):
+        first, _ = squishlike.load(out)
+    tier = "mlx" if device == "cpu" else "int4"
+    built = [r.getMessage() for r in caplog.records if "built tier" in r.getMessage()]
+    assert len(built) == 1 and f"built tier {tier} (" in built[0] and " MB on disk" in built[0]
+    assert _ready(NpyDir(out)) == {tier}  # the default policy: only the tier this device's loads take is built
+    later, _ = squishlike.load(out)
+    assert load_weights(NpyDir(out)).tier == tier
+    other = "int4" if tier == "mlx" else "mlx"
+    assert load_weights(NpyDir(out), tier=other).tier == other  # a forced tier of the policy is built on demand
+    assert _ready(NpyDir(out)) == {tier, other}
+
+    def classes(model):
+        return [(path, type(m)) for path, m in model.named_modules()]
+
+    assert classes(first) == classes(later)
+    assert any(cls is nn.QuantizedLinear for _, cls in classes(first)) == (device == "gpu")
+    assert mx.array_equal(logits(first, TOKENS), logits(later, TOKENS)).item()
 
 
 def test_forced_tier_not_ready_is_a_clear_error(tiny_llama, tmp_path):

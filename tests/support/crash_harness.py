@@ -301,6 +301,15 @@ def ready_tiers(out: Path) -> dict[str, bool]:
     return {t.name: t.ready(store)[0] is not None for t in ORDER}
 
 
+def serving_tier(out: Path) -> str:
+    """The tier a load of `out` takes on this device: the first ready one in the device's order, else cold."""
+    from squishlike.npydir import NpyDir
+    from squishlike.tiers import ORDER, ordered
+
+    store = NpyDir(out)
+    return next((t.name for t in ordered(ORDER) if t.ready(store)[0] is not None), "cold")
+
+
 def lying_sentinels(out: Path) -> list[str]:
     """Every sentinel that counts as ready but whose files do not match their recorded size and checksum."""
     from squishlike.io.sentinel import verify_files

@@ -1,0 +1,31 @@
+"""Remove an npy-dir's tier caches to free disk, holding its directory lock: by default every tier but the one
+`load` takes on this device, or all but those named in --keep. The store itself (manifest, tensors/, side files) is
+never touched, and a later load that needs a removed tier builds it again."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "remove an npy-dir's tier caches (all but the one load takes here, or all but --keep)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="the npy-dir")
+    parser.add_argument("--keep", type=lambda s: tuple(t for t in s.split(",") if t), metavar="TIERS",
+                        help="comma-separated tiers to keep (default: the tier `load` takes here; '' keeps none)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..npydir import NpyDir
+    from ..tiers import COLD, choice, prune
+
+    store = NpyDir(args.path)
+    if args.keep is None:
+        served, _ = choice(store)
+        args.keep = () if served == COLD.name else (served,)
+    freed = prune(store, args.keep)
+    for name, nbytes in freed.items():
+        if nbytes:
+            print(f"removed tier {name}: {nbytes / 1e6:.1f} MB")
+    print(f"{store.path}: freed {sum(freed.values()) / 1e6:.1f} MB; kept {', '.join(args.keep) or 'no tier'}")
+    return 0

@@ -1,0 +1,48 @@
+"""Which cache tier serves a load on the device at hand: the one that makes time to first token shortest.
+
+Load time alone would always pick the int4 tier (it reads a quarter of the bytes), but what follows the load
+decides: MLX's quantized matmul is fast on Metal and CUDA, and slow on `mlx[cpu]`. Measured on this project's
+Linux `mlx[cpu]` VM with a 1.5B Qwen2.5 model (docs/design.md §6.3): 0.12 tokens/s generated from the int4 tier
+against 0.78 from the bf16 mlx tier, prompt processing 0.11 against 1.7 tokens/s, so a time to first token ~10x
+worse from int4 although it loads fastest. On a GPU the quantized tiers also read and hold 4x fewer bytes, and
+the matmuls that bound generation read them too.
+
+PREFERENCE keeps that data: by MLX device type (`mx.default_device().type`, where the model runs), the tier names
+fastest first. A tier not named there goes last, in registry order; a new tier adds its name to each row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from .base import Tier
+
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "gpu": ("int4", "int3", "mlx", "finalized"),
+    "cpu": ("mlx", "finalized", "int4", "int3"),
+}
+WHY: dict[str, str] = {
+    "gpu": "quantized matmul is fast on the GPU, and the quantized tiers read a quarter of the bytes",
+    "cpu": "quantized matmul is slow on mlx[cpu] (measured ~6x slower generation, ~10x slower first token than "
+           "bf16), so the dense tiers come first",
+}
+
+
+def device_kind() -> str:
+    """'gpu' or 'cpu': the type of the device MLX runs the model on (Metal and CUDA are 'gpu')."""
+    return mx.default_device().type.name
+
+
+def ordered(tiers: Sequence[Tier], device: str | None = None) -> list[Tier]:
+    """`tiers` fastest first on `device` (default: this one), by PREFERENCE."""
+    preference = PREFERENCE.get(device or device_kind(), ())
+    rank = {name: i for i, name in enumerate(preference)}
+    return sorted(tiers, key=lambda t: rank.get(t.name, len(rank)))  # stable: the rest keep registry order
+
+
+def reason(device: str | None = None) -> str:
+    """Why the order on `device` is what it is, for `inspect`."""
+    device = device or device_kind()
+    return f"on {device}, {WHY.get(device, 'no measured order: registry order')}"
