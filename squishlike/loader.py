@@ -72,11 +72,10 @@ def load(
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")
-        from .model import provider_model
         from .provider import WeightProvider
 
         with WeightProvider.open(path) as provider:
-            model, tokenizer, config = provider_model(provider, **options)
+            model, tokenizer, config = provider.build_model(**options)
     if adapter_path is not None:
         from mlx_lm.utils import load_adapters
 

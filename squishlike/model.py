@@ -1,6 +1,6 @@
 """Weights (by mlx_lm parameter name) + config.json dict -> an mlx_lm model; side files -> its tokenizer.
-`assemble` builds both as mlx_lm.load does; `provider_model` runs the whole pipeline for any format the provider
-reads (weights, side files written to a temporary directory, config, model, tokenizer).
+`assemble` builds both as mlx_lm.load does; `WeightProvider.build_model` runs the whole pipeline for any format
+the provider reads (weights, side files written to a temporary directory, config, model, tokenizer).
 
 This mirrors `mlx_lm.utils.load_model` step for step (model class from `model_type`, the model's own
 `sanitize`, `nn.quantize` where the weights carry `.scales`, `load_weights`, eager eval) but takes the weights
@@ -10,9 +10,8 @@ from whichever tier or format produced them instead of globbing `model*.safetens
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,11 +19,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, infer_quant_config
 
 from . import tokenizer
-from .config import load_config
 from .errors import FormatError, SquishError, UnsupportedArchitectureError
 
-if TYPE_CHECKING:
-    from .provider import WeightProvider
 
 
 def model_classes(
@@ -176,22 +172,3 @@ def model_tokenizer(
     except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
         raise FormatError(source, f"cannot load its tokenizer files: {type(e).__name__}: {e}") from e
 
-
-def provider_model(
-    provider: WeightProvider,
-    *,
-    tokenizer_config: dict[str, Any] | None = None,
-    model_config: dict[str, Any] | None = None,
-    lazy: bool = False,
-    trust_remote_code: bool = False,
-) -> tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
-    """(model, tokenizer, config) of any model the provider reads, its side files (config, tokenizer) written to a
-    temporary directory for mlx_lm to read. An MLX-quantized source stays quantized, as mlx_lm.load keeps it."""
-    weights = provider.mlx_weights()
-    with tempfile.TemporaryDirectory(prefix="squishlike-side-") as side_files:
-        provider.write_side_files(Path(side_files))
-        config = {**load_config(Path(side_files)), **provider.quantization()}
-        model, tokenizer = assemble(config, weights, Path(side_files), provider.reader.path,
-                                    tokenizer_config=tokenizer_config, model_config=model_config, lazy=lazy,
-                                    trust_remote_code=trust_remote_code)
-    return model, tokenizer, config

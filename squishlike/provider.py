@@ -12,6 +12,7 @@ but no table describes is read through its own `sanitize` (formats/sanitized.py)
 
 from __future__ import annotations
 
+import tempfile
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,29 @@ class WeightProvider:
         written = self.reader.write_side_files(dest)
         write_json(dest / "config.json", self.dense_config())
         return sorted(set(written) | {dest / "config.json"})
+
+    def build_model(
+        self,
+        *,
+        tokenizer_config: dict[str, Any] | None = None,
+        model_config: dict[str, Any] | None = None,
+        lazy: bool = False,
+        trust_remote_code: bool = False,
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        """(mlx_lm model, tokenizer, config) of the model this provider reads, its side files (config, tokenizer)
+        written to a temporary directory for mlx_lm to read. An MLX-quantized source stays quantized, as
+        mlx_lm.load keeps it."""
+        from .config import load_config
+        from .model import assemble  # imports mlx_lm
+
+        weights = self.mlx_weights()
+        with tempfile.TemporaryDirectory(prefix="squishlike-side-") as side_files:
+            self.write_side_files(Path(side_files))
+            config = {**load_config(Path(side_files)), **self.quantization()}
+            model, tokenizer = assemble(config, weights, Path(side_files), self.reader.path,
+                                        tokenizer_config=tokenizer_config, model_config=model_config, lazy=lazy,
+                                        trust_remote_code=trust_remote_code)
+        return model, tokenizer, config
 
     def close(self) -> None:
         self.reader.close()

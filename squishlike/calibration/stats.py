@@ -23,7 +23,6 @@ from ..evaluation import (
     token_windows,
     window_logprobs,
 )
-from ..model import provider_model
 from ..provider import WeightProvider
 
 CALIBRATION_TEXT = "calibration"
@@ -38,7 +37,7 @@ def log(message: str) -> None:
 def source_model(provider: WeightProvider) -> tuple[nn.Module, Any]:
     """The provider's model as mlx_lm builds it (what `squishlike.load` gives for a non-npy-dir source), in
     float32, and its tokenizer."""
-    model, tokenizer, _ = provider_model(provider)
+    model, tokenizer, _ = provider.build_model()
     return prepare_for_eval(model), tokenizer
 
 

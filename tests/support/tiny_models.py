@@ -242,7 +242,7 @@ def make_spm_tokenizer(directory: Path, vocab_size: int = 32_000) -> Path:
 # Ministral 3's text model: Llama's tensors, mlx_lm's pipeline support. Kept out of TINY_CONFIGS (which every
 # per-architecture test takes) because squishlike only reads it as an HF or MLX directory or an npy-dir.
 MINISTRAL3 = {
-    **_BASE,
+    **BASE,
     "model_type": "ministral3",
     "head_dim": 32,
     "tie_word_embeddings": False,
