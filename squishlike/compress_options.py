@@ -9,22 +9,23 @@ from typing import TYPE_CHECKING
 
 from .dtypes import NP_STORAGE
 from .provider import WeightProvider
-from .quant.schemes import QUANTIZED, SCHEMES
+from .quant.schemes import SCHEMES
 
 if TYPE_CHECKING:
     import mlx.nn as nn
 
-FORMATS = QUANTIZED
-# The group sizes compress offers. INT8 is per row and ignores it; INT3 offers only the sizes its accuracy gate
-# is specified for, though its kernels (like mx.quantize) also take 128.
-GROUP_SIZES = {"int8": SCHEMES["int4"].group_sizes, "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
-ALL_TIERS = ("mlx", "finalized", "int4", "int3")
+FORMATS = ("int8", "int4", "int3")
+ROW = "row"  # --group-size for INT8's per-row symmetric form (scheme "int8"); a number picks group-wise "int8g"
+# The group sizes compress offers. INT3 offers only the sizes its accuracy gate is specified for, though its
+# kernels (like mx.quantize) also take 128.
+GROUP_SIZES = {"int8": (*SCHEMES["int8g"].group_sizes, ROW), "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
+ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
 
 
 @dataclass
 class CompressOptions:
-    format: str = "int8"
-    group_size: int = 64
+    format: str = "int8"  # one of FORMATS; with group_size it names the stored scheme (`scheme`)
+    group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
     quantize_embeddings: bool = False
     clip_search: bool = False
@@ -40,6 +41,18 @@ class CompressOptions:
     int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
     calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
     calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
+
+    @property
+    def scheme(self) -> str:
+        """The scheme linear weights are stored with: INT8 is group-wise ("int8g") unless asked per row."""
+        if self.format == "int8":
+            return "int8" if self.group_size == ROW else "int8g"
+        return self.format
+
+    @property
+    def groups(self) -> int:
+        """The group size of the stored scheme; 0 for the per-row form."""
+        return 0 if self.group_size == ROW else self.group_size
 
     def validate(self) -> None:
         if self.format not in FORMATS:
@@ -86,7 +99,6 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
     if kind == "int8" and opts.format != "int8":
         return "int8", "the model's quant_predicate keeps it at 8 bits"
     cols = shape[-1]
-    need = 32 if opts.format == "int3" else opts.group_size
-    if cols % opts.group_size or cols % need:
+    if opts.groups and cols % opts.groups:
         return "passthrough", f"{cols} columns do not split into groups of {opts.group_size}"
-    return opts.format, "linear weight"
+    return opts.scheme, "linear weight"

@@ -35,7 +35,9 @@ from .io.lock import exclusive
 from .io.npy import write_npy_stream
 
 # A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
-ERROR_LIMITS = {"int8": 0.05, "int4": 0.25, "int3": 0.45}
+ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int4": 0.25, "int3": 0.45}
+# The cache tier that holds each quantized scheme natively; a store's default policy is mlx plus these.
+QUANTIZED_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
 
 
@@ -44,7 +46,7 @@ def compress(
     out: str | Path,
     *,
     format: str = "int8",
-    group_size: int = 64,
+    group_size: int | str = 64,
     passthrough: tuple[str, ...] = (),
     quantize_embeddings: bool = False,
     clip_search: bool = False,
@@ -63,13 +65,15 @@ def compress(
     Returns the absolute path of `out`. Options:
 
     - format: the scheme of linear weights, "int8", "int4" or "int3".
-    - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64).
+    - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
+      the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
     - quantize_embeddings: quantize the token embedding and lm_head too.
-    - clip_search: INT4/INT3 per-group clip search (lower error, slower).
+    - clip_search: group-wise per-group clip search (lower error, slower).
     - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
       quantized source.
-    - tiers: the caches the first load builds, from "mlx", "finalized", "int4", "int3"; None: mlx plus the store's
+    - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3"; None: mlx plus the
+      store's
       quantized tier.
     - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
 
@@ -158,7 +162,7 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, scale_dtype: str) -> dict:
     parts = quant.quantize(scheme, array.reshape(rows_cols(array.shape)), src_dtype=src_dtype,
-                           group_size=opts.group_size, scale_dtype=scale_dtype, clip_search=opts.clip_search)
+                           group_size=opts.groups, scale_dtype=scale_dtype, clip_search=opts.clip_search)
     return dict(zip(SCHEMES[scheme].suffixes, parts))
 
 
@@ -281,8 +285,8 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
         entry.group_size, entry.scale_dtype = triple.group_size, runtime
         entry.reason += f"; the source's own {triple.bits}-bit values, repacked without rounding"
         return entry, array, src_dtype, parts
-    if entry.kind.grouped:  # INT8 scales are always float32, one per row
-        entry.group_size, entry.scale_dtype = opts.group_size, runtime
+    if entry.kind.grouped:  # per-row INT8 scales are always float32, one per row
+        entry.group_size, entry.scale_dtype = opts.groups, runtime
     try:
         return entry, array, src_dtype, _quantize(array, src_dtype, scheme, opts, runtime)
     except ValueError as e:
@@ -323,14 +327,14 @@ def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, Te
     written += tokenizer.write_facts(tmp, {"trust_remote_code": False}, eos_token_ids)
     side_files = {p.name: FileRecord.from_json(file_record(p)) for p in written}
     schemes = {e.scheme for e in entries.values()}
-    tiers = opts.tiers if opts.tiers is not None else ("mlx", *[s for s in ("int4", "int3") if s in schemes])
+    tiers = opts.tiers if opts.tiers is not None else ("mlx", *[t for s, t in QUANTIZED_TIERS.items() if s in schemes])
     source = Path(provider.reader.path)
     manifest = Manifest(
         model_type=provider.config.model_type,
         naming=provider.arch.canonical_names,
         runtime_dtype=runtime,
-        scheme=opts.format,
-        group_size=opts.group_size,
+        scheme=opts.scheme,
+        group_size=opts.groups,
         clip_search=opts.clip_search,
         source=Source(str(source.absolute()), provider.format, source_fingerprint(source)),
         policy=Policy(tuple(tiers), "order" if opts.tiers is None else "all"),  # tiers named: the user wants each

@@ -159,7 +159,8 @@ def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None) -
     from mlx_lm.utils import quantize_model, save_config
 
     config = provider.dense_config()
-    weights = {name: read_as(provider, "mlx", canonical) for name, canonical in names_as(provider, "mlx").items()}
+    names = names_as(provider, "mlx")
+    weights = {name: read_as(provider, "mlx", canonical) for name, canonical in names.items()}
     model = build_model(config, weights, lazy=True)
     if params is not None:
         model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode)

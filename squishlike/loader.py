@@ -43,8 +43,8 @@ def load(
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """Load a model and its tokenizer; same arguments and result as `mlx_lm.load`, plus `tier=`.
 
-    `tier` forces one tier of an npy-dir ("int4", "int3", "mlx", "finalized", "cold"); a forced tier that is
-    not ready raises TierNotReadyError (one its policy names but never built is built first). Without it the first
+    `tier` forces one tier of an npy-dir ("int4", "int8", "int3", "mlx", "finalized", "cold"); a forced tier
+    that is not ready raises TierNotReadyError (one its policy names but never built is built first). Without it the first
     ready tier in this device's order wins (quantized first on a GPU, dense first on mlx[cpu]: docs/format.md §9),
     and the first load of a fresh npy-dir builds that tier from the store for every later process, returning the
     same model they will.

@@ -432,6 +432,7 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let schemes = PyDict::new(py);
     // INT8 is per row: no groups, one int8 word per code.
     schemes.set_item("int8", scheme_constants(py, 8, &[], 1, 1, numpy::dtype::<i8>(py))?)?;
+    schemes.set_item("int8g", affine_constants::<Int8g>(py)?)?;
     schemes.set_item("int4", affine_constants::<Int4>(py)?)?;
     schemes.set_item("int3", affine_constants::<Int3>(py)?)?;
     m.add("SCHEMES", schemes)?;

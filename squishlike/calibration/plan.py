@@ -62,8 +62,8 @@ class _SourceWeights:
         self.provider, self.opts = provider, opts
         self.params = dict(tree_flatten(model.parameters()))
         self.kinds = weight_kinds(provider, model)
-        self.base = Quantizer(opts.format, opts.group_size, runtime, opts.clip_search)
-        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.group_size, runtime)
+        self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
+        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.params[self.provider.mlx_name(name)].shape)
@@ -73,8 +73,9 @@ class _SourceWeights:
 
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
-        return self.base if scheme == self.opts.format else None
+        self.kinds = weight_kinds(provider, model)
+        self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
+        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
 
 
 def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:

@@ -21,6 +21,17 @@ class _Calibrates(argparse.Action):
             namespace.fast_blas = True
 
 
+def _group_size(text: str) -> int | str:
+    from ..compress_options import ROW
+
+    if text == ROW:
+        return ROW
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor {ROW!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..compress_options import ALL_TIERS, FORMATS
 
@@ -29,13 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output npy-dir (must not exist or be empty)")
     parser.add_argument("--format", choices=FORMATS, default="int8", action=_Calibrates,
                         help="scheme for linear weights (default: int8)")
-    parser.add_argument("--group-size", type=int, default=64,
-                        help="INT4/INT3 group size: 32, 64 (default) or 128 (int4)")
+    parser.add_argument("--group-size", type=_group_size, default=64,
+                        help="elements per scale along the input axis: 32, 64 (default) or 128 (int8, int4); "
+                        "int8 also takes 'row', the per-row symmetric form")
     parser.add_argument("--passthrough", nargs="+", default=[], metavar="PATTERN",
                         help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
     parser.add_argument("--quantize-embeddings", action="store_true", help="quantize the embedding and lm_head too")
     parser.add_argument("--clip-search", action="store_true",
-                        help="INT4/INT3: per-group clip search (lower error, slower)")
+                        help="group-wise schemes: per-group clip search (lower error, slower)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="runtime dtype (default: the source's float dtype; bfloat16 for quantized sources)")
     parser.add_argument("--tiers", type=lambda s: tuple(t for t in s.split(",") if t), metavar="LIST",

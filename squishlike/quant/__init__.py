@@ -81,8 +81,7 @@ def quantize_int8g(
 
     Without clip search, mx.quantize(w, bits=8, group_size=group_size)'s values bit for bit (scale_dtype = w's).
     """
-    return _quantize_affine(_rq.quantize_int8g, w, src_dtype, group_size, scale_dtype, clip_search,
-                            lambda cols: cols, np.uint8)
+    return _quantize_affine("int8g", w, src_dtype, group_size, scale_dtype, clip_search)
 
 
 def dequantize_int8g(
@@ -205,7 +204,7 @@ def quantize(
     scheme: str, w: np.ndarray, *, src_dtype: str | None = None, group_size: int = 64,
     scale_dtype: str = "bfloat16", clip_search: bool = False,
 ) -> tuple[np.ndarray, ...]:
-    """`w` quantized with `scheme` ("int8", "int4", "int3"): its parts, in the order SCHEMES[scheme].parts names."""
+    """`w` quantized with `scheme` ("int8", "int8g", "int4", "int3"): its parts, in the order SCHEMES[scheme].parts names."""
     if scheme == "int8":
         return quantize_int8(w, src_dtype=src_dtype)
     return _quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search)
@@ -218,19 +217,20 @@ def dequantize(
     """The parts `quantize(scheme, ...)` made, dequantized to [rows, cols] in out_dtype."""
     if scheme == "int8":
         return dequantize_int8(*parts, out_dtype=out_dtype, out=out)
-    fn = dequantize_int4 if scheme == "int4" else dequantize_int3
+    fn = {"int8g": dequantize_int8g, "int4": dequantize_int4, "int3": dequantize_int3}[scheme]
     return fn(*parts, group_size=group_size, scale_dtype=scale_dtype, out_dtype=out_dtype, out=out)
 
 
 def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
-    """INT4/INT3 packed codes as the uint32 words MLX keeps (INT3 is stored in MLX's layout already)."""
-    return int4_to_mlx(q) if scheme == "int4" else q
+    """Group-wise packed codes as the uint32 words MLX keeps. INT3 is stored in MLX's layout already, and
+    group-wise INT8 bytes are MLX's words read little-endian (a view, no copy); INT4 nibbles are reordered."""
+    return int4_to_mlx(q) if scheme == "int4" else q.view("<u4")
 
 
 def from_mlx_words(scheme: str, words: np.ndarray) -> np.ndarray:
     """The inverse of mlx_words for any grouped scheme: MLX's uint32 words [..., w] as the scheme's packed codes
     [rows, packed cols]. Every grouped scheme packs its codes LSB first as MLX does, into words of its own width
-    (bytes for INT4, uint32 for INT3), so MLX's words read little-endian at that width are the scheme's codes: a
+    (bytes for INT4 and group-wise INT8, uint32 for INT3), so MLX's words read little-endian at that width are the scheme's codes: a
     view (a copy only for non-contiguous input)."""
     words = np.ascontiguousarray(words, dtype="<u4")
     return words.reshape(rows_cols(words.shape, "words")).view(SCHEMES[scheme].word)

@@ -50,7 +50,7 @@ class Scheme:
 
     @property
     def grouped(self) -> bool:
-        """Whether the scheme keeps a scale and bias per group of columns (affine INT4/INT3)."""
+        """Whether the scheme keeps a scale and bias per group of columns (affine INT8/INT4/INT3)."""
         return bool(self.group_sizes)
 
     @property
@@ -105,6 +105,7 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
         _from_rust("int8", Part("q", Role.CODES), Part("s", Role.ROW_SCALES)),
+        _from_rust("int8g", Part("q8", Role.CODES), Part("s8", Role.GROUP_SCALES), Part("z8", Role.GROUP_SCALES)),
         _from_rust("int4", Part("q4", Role.CODES), Part("s4", Role.GROUP_SCALES), Part("z4", Role.GROUP_SCALES)),
         _from_rust("int3", Part("q3", Role.CODES), Part("s3", Role.GROUP_SCALES), Part("z3", Role.GROUP_SCALES)),
         Scheme("passthrough", (Part("pt", Role.STORED),)),

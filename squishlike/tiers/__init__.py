@@ -32,13 +32,14 @@ from . import fastmem
 from .base import Loaded, Tier
 from .cold import ColdTier
 from .finalized import FinalizedTier
+from .int8 import Int8Tier
 from .mlx import MlxTier
 from .order import ordered, reason
 from .quantized import Int3Tier, Int4Tier
 
 log = logging.getLogger("squishlike")
 
-ORDER: list[Tier] = [Int4Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers (order: tiers/order.py)
+ORDER: list[Tier] = [Int4Tier(), Int8Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers (order: order.py)
 COLD = ColdTier()
 TIERS: list[Tier] = [*ORDER, COLD]
 BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}

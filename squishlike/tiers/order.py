@@ -20,8 +20,8 @@ import mlx.core as mx
 from .base import Tier
 
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "gpu": ("int4", "int3", "mlx", "finalized"),
-    "cpu": ("mlx", "finalized", "int4", "int3"),
+    "gpu": ("int4", "int8", "int3", "mlx", "finalized"),
+    "cpu": ("mlx", "finalized", "int4", "int8", "int3"),
 }
 WHY: dict[str, str] = {
     "gpu": "quantized matmul is fast on the GPU, and the quantized tiers read a quarter of the bytes",
