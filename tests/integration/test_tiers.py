@@ -17,7 +17,7 @@ from squishlike.npydir import NpyDir
 from squishlike.tiers import BY_NAME, ORDER, load_weights, order
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
-ALL = ("mlx", "finalized", "int4", "int3")
+ALL = ("mlx", "finalized", "int8", "int4", "int3")
 
 
 def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path):
@@ -26,15 +26,15 @@ def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path)
 
     cold, tokenizer = squishlike.load(out)  # first load: cold path, builds every tier the policy names
     assert {t.name: t.ready(NpyDir(out))[0] is not None for t in ORDER} == {
-        "int4": False, "int3": False, "mlx": True, "finalized": True}
+        "int4": False, "int8": True, "int3": False, "mlx": True, "finalized": True}
     assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) >= 0.999
-    for tier in ("mlx", "finalized", "cold"):
+    for tier in ("int8", "mlx", "finalized", "cold"):
         model, _ = squishlike.load(out, tier=tier)
         assert_same_weights(cold, model)
     assert tokenizer.encode("The capital of France") == mlx_lm.load(str(tiny_model))[1].encode("The capital of France")
 
 
-@pytest.mark.parametrize("fmt,group", [("int4", 64), ("int4", 32), ("int3", 32)])
+@pytest.mark.parametrize("fmt,group", [("int8", 64), ("int8", 128), ("int4", 64), ("int4", 32), ("int3", 32)])
 def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
     out = squishlike.compress(tiny_llama, tmp_path / fmt, format=fmt, group_size=group, tiers=ALL)
     if fmt == "int3":  # the gate decides; force it open here to test the repack itself
@@ -47,6 +47,25 @@ def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
     # The quantized tier is a complete mlx_lm model directory.
     via_mlx_lm, _ = mlx_lm.load(str(out / f"squish_{fmt[-1]}bit"))
     assert mx.allclose(logits(via_mlx_lm, TOKENS), logits(quantized, TOKENS)).item()
+
+
+def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
+    """Group-wise INT8 is the default and its store builds the 8-bit tier on first load; `row` keeps the per-row
+    form, whose every tier is still bit-identical and which has no native tier."""
+    grouped = squishlike.compress(tiny_llama, tmp_path / "g64", format="int8")
+    assert NpyDir(grouped).manifest.policy.tiers == ("mlx", "int8")
+    assert NpyDir(grouped).entries["layers.0.ffn.down.weight"].scheme == "int8g"
+    squishlike.load(grouped)
+    assert load_weights(NpyDir(grouped)).tier == "int8"
+
+    per_row = squishlike.compress(tiny_llama, tmp_path / "row", format="int8", group_size="row", tiers=ALL)
+    store = NpyDir(per_row)
+    assert store.manifest.policy.tiers == ALL and store.manifest.group_size == 0
+    assert store.entries["layers.0.ffn.down.weight"].scheme == "int8"
+    cold, _ = squishlike.load(per_row)
+    assert {t.name for t in ORDER if t.ready(store)[0] is not None} == {"mlx", "finalized"}
+    for tier in ("mlx", "finalized"):
+        assert_same_weights(cold, squishlike.load(per_row, tier=tier)[0])
 
 
 def _open_int3_gate(out) -> None:
