@@ -29,7 +29,7 @@ def _group_size(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor {ROW!r}") from None
+        raise argparse.ArgumentTypeError(f"group size {text} is neither a number nor {ROW!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

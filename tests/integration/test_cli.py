@@ -91,11 +91,11 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
     store = tmp_path / "store"
     cli("compress", tiny_llama, "-o", store, "--format", "int4")
     cli("compress", tiny_llama, "-o", store, "--format", "int8", "--force")
-    assert NpyDir(store).manifest.scheme == "int8"
+    assert NpyDir(store).manifest.scheme == "int8g"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-@pytest.mark.parametrize("fmt,group", [("int4", 48), ("int3", 128), ("int8", 7)])
+@pytest.mark.parametrize("fmt,group", [("int4", 48), ("int3", 128), ("int8", 7), ("int4", "row"), ("int8", "rows")])
 def test_bad_group_size(tiny_llama, tmp_path, fmt, group):
     done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--format", fmt, "--group-size", group, check_rc=2)
     assert f"group size {group}" in done.stderr

@@ -10,6 +10,7 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
+import squishlike
 import squishlike.exporter
 from squishlike.cli.export import add_arguments as add_export_arguments
 from squishlike.cli.export import run as run_export
@@ -150,3 +151,41 @@ def test_smollm_gguf_exports_losslessly_and_still_answers(tmp_path, smollm_gguf)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert "Paris" in mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int8_store_exports_the_bytes_of_mlx_lm_convert(tmp_path, tokenizer_dir, dtype, group_size):
+    """A group-wise INT8 store exported with -q --q-bits 8 is, tensor for tensor and byte for byte, what
+    mlx_lm.convert -q --q-bits 8 writes from the values the store was compressed from."""
+    hf_llama(tmp_path / "src", tokenizer_dir, dtype)
+    store = squishlike.compress(tmp_path / "src", tmp_path / "store", format="int8", group_size=group_size)
+    out = export(store, "mlx", tmp_path / "out", quantize=True, q_bits=8, q_group_size=group_size)
+    mlx_lm.convert(str(tmp_path / "src"), str(tmp_path / "ref"), quantize=True, q_bits=8, q_group_size=group_size,
+                   dtype=str(dtype).removeprefix("mlx.core."))  # the tiny model's config says float32
+    config, reference_config = (json.loads((d / "config.json").read_text()) for d in (out, tmp_path / "ref"))
+    assert config["quantization"] == reference_config["quantization"]
+    ours, theirs = mx.load(str(out / "model.safetensors")), mx.load(str(tmp_path / "ref" / "model.safetensors"))
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert_bit_equal(ours[name], theirs[name])
+
+
+def test_int8_store_exports_its_own_triples(tmp_path, tokenizer_dir):
+    """With clip search the store's scales differ from what mx.quantize would choose: the export keeps the
+    store's q, scales and offsets as they are (a lossless repack), not a requantization of its values."""
+    hf_llama(tmp_path / "src", tokenizer_dir, mx.bfloat16)
+    store = squishlike.compress(tmp_path / "src", tmp_path / "store", format="int8", clip_search=True)
+    out = export(store, "mlx", tmp_path / "out", quantize=True, q_bits=8, q_group_size=64)
+    exported = mx.load(str(out / "model.safetensors"))
+    repacked = 0
+    with WeightProvider.open(store) as provider:
+        for canonical in provider.names():
+            triple = provider.get_quantized(canonical)
+            if triple is None:
+                continue
+            layer = provider.mlx_name(canonical).removesuffix(".weight")
+            for part, stored in (("weight", triple.weight), ("scales", triple.scales), ("biases", triple.biases)):
+                assert_bit_equal(exported[f"{layer}.{part}"], stored)
+            repacked += 1
+    assert repacked == 2 * 7  # every linear of both layers
