@@ -71,8 +71,9 @@ def test_awq_fold_is_exact_in_float(tmp_path, tokenizer_dir, arch):
     assert not np.allclose(folded_norm, np.array(model.model.layers[0].input_layernorm.weight))  # 1/s lives there
 
 
-def test_awq_store_is_plain_int4_and_identical_in_every_tier(loud_llama, tmp_path):
-    out = squishlike.compress(loud_llama, tmp_path / "awq", format="int4", awq=True, clip_search=True,
+@pytest.mark.parametrize("fmt,scheme,native", [("int4", "int4", "int4"), ("int8", "int8g", "int8")])
+def test_awq_store_is_plain_and_identical_in_every_tier(loud_llama, tmp_path, fmt, scheme, native):
+    out = squishlike.compress(loud_llama, tmp_path / "awq", format=fmt, awq=True, clip_search=True,
                               calibration_max_tokens=CALIB_TOKENS, tiers=ALL)
     manifest = json.loads((out / "manifest.json").read_text())
     awq = manifest["awq"]
@@ -81,24 +82,25 @@ def test_awq_store_is_plain_int4_and_identical_in_every_tier(loud_llama, tmp_pat
     assert any(g["alpha"] > 0 for g in awq["groups"].values())
     assert manifest["calibration"]["text"] == "calibration" and manifest["calibration"]["tokens"] <= CALIB_TOKENS
     store = NpyDir(out)
-    assert {e.scheme for n, e in store.entries.items() if n.endswith("attention.q.weight")} == {"int4"}
+    assert {e.scheme for n, e in store.entries.items() if n.endswith("attention.q.weight")} == {scheme}
 
     cold, _ = squishlike.load(out)  # builds every tier from the store
     assert load_weights(store).tier == target(store).name
-    quantized, _ = squishlike.load(out, tier="int4")
+    quantized, _ = squishlike.load(out, tier=native)
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in quantized.named_modules())
-    for tier in ("int4", "mlx", "finalized", "cold"):
+    for tier in (native, "mlx", "finalized", "cold"):
         assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
     reference, _ = squishlike.load(loud_llama)
     assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) > 0.9  # still the same model, roughly
 
 
-@pytest.mark.parametrize("fmt,kept,options", [
-    ("int4", "int8", {}),
-    ("int8", "passthrough", {}),
-    ("int8", "passthrough", {"awq": True, "dtype": "bfloat16"}),  # kept exact in the runtime dtype, not float32
+@pytest.mark.parametrize("fmt,scheme,kept,options", [
+    ("int4", "int4", "int8", {}),
+    ("int8", "int8g", "passthrough", {}),
+    # kept exact in the runtime dtype, not float32
+    ("int8", "int8", "passthrough", {"awq": True, "dtype": "bfloat16", "group_size": "row"}),
 ])
-def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, kept, options):
+def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, scheme, kept, options):
     """INT4/INT3 stores keep the most sensitive tensors at INT8; INT8 stores keep them exact (passthrough)."""
     out = squishlike.compress(loud_llama, tmp_path / "mixed", format=fmt, mixed_precision=0.25,
                               calibration_max_tokens=CALIB_TOKENS, tiers=ALL, **options)
@@ -113,7 +115,7 @@ def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, k
             assert e["scheme"] == kept and e["reason"].startswith("mixed precision"), name
             assert ("error" in e) == (kept != "passthrough")
         elif name.startswith("layers.") and name.endswith(".weight") and "norm" not in name:
-            assert e["scheme"] == fmt, name
+            assert e["scheme"] == scheme, name
     store = NpyDir(out)
     cold, _ = squishlike.load(out)
     if kept == "passthrough":  # exact: stored in the runtime dtype, what the budget counted
@@ -122,7 +124,7 @@ def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, k
             with WeightProvider.open(loud_llama) as provider:
                 for name in promoted:
                     assert np.array_equal(store.dequantize(name), np.array(provider.get(name))), name
-        tiers = ("mlx", "finalized", "cold")
+        tiers = ("int8", "mlx", "finalized", "cold") if scheme == "int8g" else ("mlx", "finalized", "cold")
     else:
         int4, _ = squishlike.load(out, tier="int4")
         modules = dict(int4.named_modules())
