@@ -21,7 +21,7 @@ from squishlike.quant import reference as ref
 # the scheme table
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "int3"])
+@pytest.mark.parametrize("scheme", ["int8", "int8g", "int4", "int3"])
 def test_scheme_table_is_the_rust_crates(scheme):
     rust, table = rust_quant.SCHEMES[scheme], SCHEMES[scheme]
     assert (table.bits, table.group_sizes, table.block, table.block_words) == (
@@ -30,6 +30,7 @@ def test_scheme_table_is_the_rust_crates(scheme):
 
 
 @pytest.mark.parametrize("scheme,levels,group_sizes,pack", [
+    ("int8g", ref.INT8G_LEVELS, ref.INT8G_GROUP_SIZES, np.ascontiguousarray),  # one code per byte
     ("int4", ref.INT4_LEVELS, ref.INT4_GROUP_SIZES, ref.pack_int4),
     ("int3", ref.INT3_LEVELS, ref.INT3_GROUP_SIZES, ref.pack_int3),
 ])
@@ -42,7 +43,7 @@ def test_scheme_table_agrees_with_the_numpy_spec(scheme, levels, group_sizes, pa
         assert table.unpacked_cols(packed.shape[1]) == cols
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int3"])
+@pytest.mark.parametrize("scheme", ["int8g", "int4", "int3"])
 def test_scheme_table_agrees_with_mx_quantize(scheme):
     """The group sizes are exactly those mx.quantize takes, and the packed width fills its uint32 words."""
     table = SCHEMES[scheme]
@@ -79,25 +80,27 @@ def stores(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("npydir")
     src = make_hf_model(root / "src", TINY_CONFIGS["llama"], tokenizer_dir)
+    options = {"int8": {"format": "int8", "group_size": "row"}, "int8g": {"format": "int8"},
+               "int4": {"format": "int4"}, "int3": {"format": "int3"}}  # by the scheme they store
     return {
-        fmt: squishlike.compress(src, root / fmt, format=fmt, int3_gate=False, passthrough=("layers.0.*",))
-        for fmt in ("int8", "int4", "int3")
+        scheme: squishlike.compress(src, root / scheme, int3_gate=False, passthrough=("layers.0.*",), **kwargs)
+        for scheme, kwargs in options.items()
     }
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int3"])
-def test_manifest_round_trip_is_lossless(stores, fmt):
-    path = stores[fmt] / "manifest.json"
+@pytest.mark.parametrize("scheme", ["int8", "int8g", "int4", "int3"])
+def test_manifest_round_trip_is_lossless(stores, scheme):
+    path = stores[scheme] / "manifest.json"
     raw = json.loads(path.read_text())
     manifest = Manifest.from_json(raw, path)
     assert manifest.to_json() == raw
-    assert manifest.schemes == {fmt, "passthrough"}
+    assert manifest.schemes == {scheme, "passthrough"} and manifest.scheme == scheme
     entry = manifest.tensors["layers.1.attention.q.weight"]
-    assert entry.scheme == fmt and entry.error is not None and entry.error.rel_error < 0.5
-    assert (entry.group_size is not None) == (fmt != "int8")
+    assert entry.scheme == scheme and entry.error is not None and entry.error.rel_error < 0.5
+    assert (entry.group_size is not None) == (scheme != "int8")
     assert set(manifest.part_files()) == {
         f"tensors/{e.key}__{suffix}.npy" for e in manifest.tensors.values() for suffix in e.files}
-    assert all((stores[fmt] / rel).is_file() for rel in manifest.part_files())
+    assert all((stores[scheme] / rel).is_file() for rel in manifest.part_files())
 
 
 def test_manifest_keeps_unknown_top_level_records(stores):
@@ -140,6 +143,23 @@ DAMAGE = {
     "part size negative": lambda m: _first(m, "int4")["files"]["s4"].update(size=-1),
     "error stats not an object": lambda m: _first(m, "int4").update(error=0.1),
 }
+
+
+INT8G_DAMAGE = {
+    "per-row parts under int8g": lambda e: e.update(files={"q": e["files"]["q8"], "s": e["files"]["s8"]}),
+    "int8g codes too small": lambda e: e["files"]["q8"].update(size=e["files"]["q8"]["size"] // 2),
+    "int8g group size of no group": lambda e: e.update(group_size=0),
+    "int8g without scale_dtype": lambda e: e.pop("scale_dtype"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(INT8G_DAMAGE))
+def test_strict_validation_of_group_wise_int8_entries(stores, damage):
+    path = stores["int8g"] / "manifest.json"
+    raw = copy.deepcopy(json.loads(path.read_text()))
+    INT8G_DAMAGE[damage](_first(raw, "int8g"))
+    with pytest.raises(FormatError, match="manifest.json"):
+        Manifest.from_json(raw, path)
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
