@@ -1,4 +1,4 @@
-"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own 4-bit, against the
+"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own 8-bit and 4-bit, against the
 unquantized reference, on the shipped evaluation prose.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -29,11 +29,15 @@ from pathlib import Path
 ROWS: list[tuple[str, str, dict]] = [
     # (label, kind, compress options) -- kind: reference | npydir | mlx
     ("reference (GGUF Q4_1 as read, float32)", "reference", {}),
-    ("INT8 per-row", "npydir", {"format": "int8"}),
-    ("INT8 per-row AWQ", "npydir", {"format": "int8", "awq": True}),
-    ("INT8 per-row, mixed 20 %", "npydir", {"format": "int8", "mixed_precision": 0.2}),
-    ("INT8 per-row, mixed 50 %", "npydir", {"format": "int8", "mixed_precision": 0.5}),
-    ("INT8 per-row, mixed 85 %", "npydir", {"format": "int8", "mixed_precision": 0.85}),
+    ("INT8 g32", "npydir", {"format": "int8", "group_size": 32}),
+    ("INT8 g64", "npydir", {"format": "int8", "group_size": 64}),
+    ("INT8 g128", "npydir", {"format": "int8", "group_size": 128}),
+    ("mlx_lm 8-bit g64 (convert -q)", "mlx", {"q_bits": 8, "q_group_size": 64}),
+    ("INT8 per-row", "npydir", {"format": "int8", "group_size": "row"}),
+    ("INT8 per-row AWQ", "npydir", {"format": "int8", "group_size": "row", "awq": True}),
+    ("INT8 per-row, mixed 20 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.2}),
+    ("INT8 per-row, mixed 50 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.5}),
+    ("INT8 per-row, mixed 85 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.85}),
     ("INT4 g64 RTN", "npydir", {"format": "int4", "group_size": 64}),
     ("INT4 g64 clip", "npydir", {"format": "int4", "group_size": 64, "clip_search": True}),
     ("INT4 g64 AWQ", "npydir", {"format": "int4", "group_size": 64, "awq": True}),

@@ -121,6 +121,8 @@ def targets(f: dict, largest: int = 0) -> list[dict]:
         add("mlx tier whole process within 1.5x of the memory-floor process", r, 1.5, r <= 1.5)
     if (s := get("int4", "speedup_vs_mlx_lm")) is not None:
         add("int4 tier load >= 8x faster than mlx_lm.load", s, 8, s >= 8)
+    if (s8 := get("int8", "speedup_vs_mlx_lm")) is not None and (s := get("mlx", "speedup_vs_mlx_lm")) is not None:
+        add("int8 tier load faster than the mlx tier (about half its bytes)", s8 / s, 1, s8 > s)
     if (s := get("finalized", "speedup_vs_mlx_lm")) is not None:
         add("finalized tier load >= 2x faster than mlx_lm.load", s, 2, s >= 2)
     for tier, limit in (("mlx", 4), ("int4", 8), ("finalized", 2)):

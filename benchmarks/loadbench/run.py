@@ -49,8 +49,8 @@ class Config:
         return report
 
 
-WARM_KEYS = ("mlx_lm", "int4", "mlx", "finalized", "cold-tier-int8", "cold-tier-int4")
-QUICK_KEYS = ("mlx_lm", "int4", "mlx", "finalized", "cold-tier-int4")
+WARM_KEYS = ("mlx_lm", "int4", "int8", "mlx", "finalized", "cold-tier-int8", "cold-tier-int4")
+QUICK_KEYS = ("mlx_lm", "int4", "int8", "mlx", "finalized", "cold-tier-int4")
 
 
 def _in_process(loader: str, path: Path, tier: str | None):
@@ -90,6 +90,7 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     loads = [
         ("mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source, None, src_files),
         ("int4", "squishlike int4 tier", "squishlike", int4, "int4", tier_files(int4, "int4")),
+        ("int8", "squishlike int8 tier (g64)", "squishlike", int8, "int8", tier_files(int8, "int8")),
         ("mlx", "squishlike mlx tier", "squishlike", int8, "mlx", tier_files(int8, "mlx")),
         ("finalized", "squishlike finalized tier", "squishlike", int8, "finalized", tier_files(int8, "finalized")),
         ("cold-tier-int8", "squishlike cold tier (int8 store, no build)", "squishlike", int8, "cold",
@@ -100,6 +101,7 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     loads = [entry for entry in loads if entry[0] in (QUICK_KEYS if quick else WARM_KEYS)]
     in_memory = {k: src_bytes for k in WARM_KEYS}
     in_memory["int4"] = size(tier_files(int4, "int4"))
+    in_memory["int8"] = size(tier_files(int8, "int8"))
     for key, label, loader, path, tier, files in loads:
         configs.append(Config(key, label, "warm", load(loader, path, tier), files=files, weight_bytes=in_memory[key],
                               prime=in_memory[key] + slack, baseline="mlx_lm", load=(loader, path, tier),

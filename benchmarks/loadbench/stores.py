@@ -72,7 +72,7 @@ def tier_files(store: Path, tier: str) -> list[Path]:
     """The files a load from `tier` reads (weights only; config and tokenizer files are a few MB)."""
     if tier == "mlx":
         return [store / "squish_weights.safetensors"]
-    if tier in ("int4", "int3"):
+    if tier in ("int4", "int8", "int3"):
         return sorted((store / f"squish_{tier[-1]}bit").glob("*.safetensors"))
     if tier == "finalized":
         return sorted((store / "finalized").glob("*.npy"))
