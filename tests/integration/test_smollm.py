@@ -16,7 +16,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def stores(smollm_gguf, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm")
     return {
-        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, tiers=("mlx", "finalized", "int4"))
+        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, tiers=("mlx", "finalized", "int8", "int4"))
         for fmt in ("int8", "int4")
     }
 
@@ -31,8 +31,8 @@ def test_every_tier_identical_and_answers_paris(stores, fmt):
     out = stores[fmt]
     cold, tokenizer = squishlike.load(out)  # builds the caches
     assert "Paris" in answer(cold, tokenizer)
-    tiers = ["mlx", "finalized", "cold"] + (["int4"] if fmt == "int4" else [])
-    # Every tier holds the very weights that just answered (the 4-bit tier as an exact repack), so each of them
+    tiers = ["mlx", "finalized", "cold", fmt]  # int8 and int4 stores have their native tier of the same name
+    # Every tier holds the very weights that just answered (the 4-bit and 8-bit tiers as exact repacks), so each
     # answers the same; generating again through CPU quantized matmuls would only cost time.
     for tier in tiers:
         model, _ = squishlike.load(out, tier=tier)

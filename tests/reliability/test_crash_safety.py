@@ -192,7 +192,7 @@ def test_disk_full_while_building_caches(lab, tmp_path):
     assert any("could not build tier mlx" in w and "squish_weights.safetensors" in w and "[Errno" in w
                for w in result["warnings"]), result
     ready = ready_tiers(out)
-    assert ready == {"int4": True, "int3": False, "mlx": False, "finalized": True}, ready
+    assert ready == {"int4": True, "int8": False, "int3": False, "mlx": False, "finalized": True}, ready
     assert not lying_sentinels(out) and store_part(out) == lab.store_digest
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
     # A tier built beside the failure serves the next load (int4 or finalized, by the device), same weights.

@@ -67,7 +67,7 @@ def cli(lab, tmp_path, *argv) -> tuple[int, str]:
 
 def test_verify_a_clean_model(lab, built, tmp_path):
     assert verify(built) == []
-    assert ready_tiers(built) == {"int4": True, "int3": False, "mlx": True, "finalized": True}
+    assert ready_tiers(built) == {"int4": True, "int8": False, "int3": False, "mlx": True, "finalized": True}
     rc, text = cli(lab, tmp_path, "verify", built)
     assert rc == 0 and text.strip().endswith(f"{built}: OK"), text
 
