@@ -27,12 +27,17 @@ import time
 from pathlib import Path
 
 ROWS: list[tuple[str, str, dict]] = [
-    # (label, kind, compress options) -- kind: reference | npydir | mlx
+    # (label, kind, options) -- kind: reference | npydir (compress options) | mlx (export -q options) |
+    # mlx_lm (mlx_lm.convert -q options, from the GGUF exported to HF)
     ("reference (GGUF Q4_1 as read, float32)", "reference", {}),
     ("INT8 g32", "npydir", {"format": "int8", "group_size": 32}),
     ("INT8 g64", "npydir", {"format": "int8", "group_size": 64}),
     ("INT8 g128", "npydir", {"format": "int8", "group_size": 128}),
+    ("INT8 g64, float16 runtime", "npydir", {"format": "int8", "group_size": 64, "dtype": "float16"}),
+    ("INT8 g64, float32 runtime", "npydir", {"format": "int8", "group_size": 64, "dtype": "float32"}),
     ("mlx_lm 8-bit g64 (convert -q)", "mlx", {"q_bits": 8, "q_group_size": 64}),
+    ("mlx_lm 8-bit g64, bfloat16 (convert -q --dtype bfloat16)", "mlx_lm",
+     {"q_bits": 8, "q_group_size": 64, "dtype": "bfloat16"}),
     ("INT8 per-row", "npydir", {"format": "int8", "group_size": "row"}),
     ("INT8 per-row AWQ", "npydir", {"format": "int8", "group_size": "row", "awq": True}),
     ("INT8 per-row, mixed 20 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.2}),
@@ -77,8 +82,15 @@ def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tu
     started = time.perf_counter()
     if kind == "npydir":
         squishlike.compress(gguf, out, **options)
-    else:
+    elif kind == "mlx":
         export(gguf, "mlx", out, quantize=True, **options)  # bit for bit what mlx_lm.convert writes
+    else:
+        import mlx_lm
+
+        hf = workdir / "hf-export"
+        if not hf.exists():
+            export(gguf, "hf", hf)
+        mlx_lm.convert(str(hf), str(out), quantize=True, **options)
     return out, time.perf_counter() - started
 
 
@@ -146,7 +158,7 @@ def markdown(results: list[dict], args) -> str:
     from squishlike.evaluation import load_prompts
 
     ref = next((r for r in results if r["kind"] == "reference"), None)
-    mlx = next((r for r in results if r["kind"] == "mlx"), None)
+    mlx = next((r for r in results if r["kind"] == "mlx" and r["options"].get("q_bits") == 4), None)
     lines = [
         f"Model: SmolLM2-135M-Instruct (embedded GGUF); reference = the GGUF as the provider reads it (float32). "
         f"Text: first {results[0]['positions'] + results[0]['windows']} tokens of data/eval_prose.txt "
