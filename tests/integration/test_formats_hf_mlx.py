@@ -9,18 +9,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 import pytest
-
-import squishlike
 
 from squishlike.errors import FormatError
 from squishlike.formats import detect_format, open_reader
 from squishlike.formats.mlx import MLXReader
 from squishlike.formats.safetensors import HFReader
 from squishlike.model import build_model
-from squishlike.npydir import NpyDir
-from squishlike.provider import WeightProvider
 from support.tiny_models import TINY_CONFIGS, make_hf_model
 
 LLAMA = TINY_CONFIGS["llama"]
@@ -225,35 +220,6 @@ def quantized_layers(hf_weights: dict[str, mx.array]) -> list[str]:
 def test_mlx_4bit_directory_from_mlx_lm_convert(tmp_path, tokenizer_dir):
     directory, hf_weights = convert(tmp_path, tokenizer_dir, q_bits=4, q_group_size=64)
     check_triples(directory, hf_weights, dict.fromkeys(quantized_layers(hf_weights), "affine4"))
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mlx_8bit_directory_compresses_into_group_wise_int8_losslessly(tmp_path, tokenizer_dir, dtype):
-    """Every MLX 8-bit affine triple becomes an int8g entry whose q, scales and biases are the stored ones, bit
-    for bit; the store's 8-bit tier then runs as the MLX model itself does."""
-    directory, hf_weights = convert(tmp_path, tokenizer_dir, q_bits=8, q_group_size=64, dtype=dtype)
-    out = squishlike.compress(directory, tmp_path / "store", format="int8", dtype=dtype, quantize_embeddings=True)
-    store, saved = NpyDir(out), stored(directory)
-    repacked = set()
-    with WeightProvider.open(directory) as provider:
-        for canonical, entry in store.entries.items():
-            layer = provider.source_name(canonical).removesuffix(".weight")
-            if f"{layer}.scales" not in saved:
-                continue
-            assert entry.scheme == "int8g" and entry.group_size == 64
-            q, s, z = (store.load_part(canonical, suffix) for suffix in entry.kind.suffixes)
-            assert np.array_equal(np.array(saved[f"{layer}.weight"]).view(np.uint8).reshape(q.shape), q)
-            for part, ours in (("scales", s), ("biases", z)):
-                theirs = saved[f"{layer}.{part}"]
-                assert np.array_equal(np.array(theirs.view(mx.uint16 if theirs.dtype.size == 2 else mx.uint32)),
-                                      ours.view(np.uint16 if ours.itemsize == 2 else np.uint32).reshape(theirs.shape))
-            repacked.add(f"{layer}.weight")
-    assert repacked == set(quantized_layers(hf_weights))
-
-    reference, _ = mlx_lm.load(str(directory))
-    squishlike.load(out)  # cold: builds the 8-bit tier
-    native, _ = squishlike.load(out, tier="int8")
-    assert mx.array_equal(native(PROMPT), reference(PROMPT)).item()
 
 
 def test_mlx_per_layer_overrides(tmp_path, tokenizer_dir):
