@@ -204,7 +204,8 @@ def quantize(
     scheme: str, w: np.ndarray, *, src_dtype: str | None = None, group_size: int = 64,
     scale_dtype: str = "bfloat16", clip_search: bool = False,
 ) -> tuple[np.ndarray, ...]:
-    """`w` quantized with `scheme` ("int8", "int8g", "int4", "int3"): its parts, in the order SCHEMES[scheme].parts names."""
+    """`w` quantized with `scheme` ("int8", "int8g", "int4", "int3"): its parts, in the order
+    SCHEMES[scheme].parts names them."""
     if scheme == "int8":
         return quantize_int8(w, src_dtype=src_dtype)
     return _quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search)
@@ -230,7 +231,7 @@ def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
 def from_mlx_words(scheme: str, words: np.ndarray) -> np.ndarray:
     """The inverse of mlx_words for any grouped scheme: MLX's uint32 words [..., w] as the scheme's packed codes
     [rows, packed cols]. Every grouped scheme packs its codes LSB first as MLX does, into words of its own width
-    (bytes for INT4 and group-wise INT8, uint32 for INT3), so MLX's words read little-endian at that width are the scheme's codes: a
-    view (a copy only for non-contiguous input)."""
+    (bytes for INT4 and group-wise INT8, uint32 for INT3), so MLX's words read little-endian at that width are
+    the scheme's codes: a view (a copy only for non-contiguous input)."""
     words = np.ascontiguousarray(words, dtype="<u4")
     return words.reshape(rows_cols(words.shape, "words")).view(SCHEMES[scheme].word)

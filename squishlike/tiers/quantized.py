@@ -1,9 +1,9 @@
 """The MLX-native quantized tiers (`squish_4bit/`, `squish_3bit/` here; `squish_8bit/` in int8.py): each an
 MLX model directory.
 
-Built by a lossless repack of the store: the INT4 nibbles reinterpret as MLX's uint32 words, INT3 and group-wise
-INT8 are stored in MLX's own layout already, and scales/offsets are kept in the runtime dtype, so `mx.dequantize` of this tier
-equals the cold tier's Rust dequantization bit for bit. Tensors stored any other way go in dense. The directory
+Built by a lossless repack of the store: the INT4 nibbles reinterpret as MLX's uint32 words, INT3 and
+group-wise INT8 are stored in MLX's own layout already, and scales/offsets are kept in the runtime dtype, so
+`mx.dequantize` of this tier equals the cold tier's Rust dequantization bit for bit. Tensors stored any other way go in dense. The directory
 is a complete mlx_lm model (config.json with "quantization", tokenizer files): `mlx_lm.load` opens it too.
 
 The repack is a byte copy: the store's parts (memory-mapped) and the cold path's dense buffers are streamed into
