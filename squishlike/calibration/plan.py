@@ -73,9 +73,8 @@ class _SourceWeights:
 
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        self.kinds = weight_kinds(provider, model)
-        self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
-        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
+        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
+        return self.base if scheme == self.opts.scheme else None
 
 
 def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:
