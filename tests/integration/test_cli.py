@@ -132,7 +132,7 @@ def test_inspect_says_which_tier_load_takes_and_why(tiny_llama, tmp_path):
     assert report["load"]["tier"] == "cold" and "this load builds tier mlx" in report["load"]["reason"]
     squishlike.load(out)
     report = json.loads(cli("inspect", out, "--json").stdout)
-    assert list(report["tiers"]) == ["mlx", "finalized", "int4", "int3"]  # this (cpu) device's order
+    assert list(report["tiers"]) == ["mlx", "finalized", "int4", "int8", "int3"]  # this (cpu) device's order
     assert report["load"]["tier"] == "mlx" and "quantized matmul is slow on mlx[cpu]" in report["load"]["reason"]
     assert report["tiers"]["mlx"]["bytes"] == (out / "squish_weights.safetensors").stat().st_size
     assert report["tiers"]["int4"] == {"state": "absent", "bytes": 0, "wanted": True}

@@ -14,7 +14,8 @@ from support.tiny_models import assert_same_weights, cosine, logits
 import squishlike
 from squishlike.errors import TierNotReadyError
 from squishlike.npydir import NpyDir
-from squishlike.tiers import BY_NAME, ORDER, load_weights, order
+from squishlike.tiers import BY_NAME, ORDER, load_weights, order, target
+from squishlike.tiers.order import ordered
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
 ALL = ("mlx", "finalized", "int8", "int4", "int3")
@@ -50,13 +51,15 @@ def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
 
 
 def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
-    """Group-wise INT8 is the default and its store builds the 8-bit tier on first load; `row` keeps the per-row
-    form, whose every tier is still bit-identical and which has no native tier."""
+    """Group-wise INT8 is the default and its store's policy holds the 8-bit tier, which a GPU takes first; `row`
+    keeps the per-row form, whose every tier is still bit-identical and which has no native tier."""
     grouped = squishlike.compress(tiny_llama, tmp_path / "g64", format="int8")
-    assert NpyDir(grouped).manifest.policy.tiers == ("mlx", "int8")
-    assert NpyDir(grouped).entries["layers.0.ffn.down.weight"].scheme == "int8g"
+    store = NpyDir(grouped)
+    assert store.manifest.policy.tiers == ("mlx", "int8")
+    assert store.entries["layers.0.ffn.down.weight"].scheme == "int8g"
+    assert next(t.name for t in ordered(ORDER, "gpu") if t.wanted(store)) == "int8"
     squishlike.load(grouped)
-    assert load_weights(NpyDir(grouped)).tier == "int8"
+    assert load_weights(store).tier == target(store).name
 
     per_row = squishlike.compress(tiny_llama, tmp_path / "row", format="int8", group_size="row", tiers=ALL)
     store = NpyDir(per_row)
