@@ -29,7 +29,8 @@ from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy,
 from .npydir.manifest import encode_key
 from .quant.schemes import SCHEMES, rows_cols
 from .provider import WeightProvider
-from .io.atomic import make_temp_dir, publish_dir, read_json, remove_stale_temps, write_json
+from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, write_json
+from .io.files import read_json
 from .io.checksum import file_record
 from .io.lock import exclusive
 from .io.npy import write_npy_stream

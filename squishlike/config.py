@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import json
+import math
 from dataclasses import dataclass, field, fields
-from numbers import Integral
+from numbers import Integral, Real
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from .arch import Architecture, architecture_for
 from .errors import FormatError, UnsupportedArchitectureError
-from .io.atomic import read_json
+from .io.files import read_bytes, read_json_object
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -26,6 +27,24 @@ GENERATION_CONFIG = "generation_config.json"
 # What a family with a rule table needs (squishlike/arch); any other mlx_lm family needs only its model_type, and
 # its ModelArgs judge the rest.
 REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool) and v > 0
+
+
+def _finite_number(v: Any) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# The type every known field must have: sizes and divisors positive integers, the rest what mlx_lm expects.
+_FIELD_TYPES = {
+    **{key: (_positive_int, "a positive integer") for key in (
+        *REQUIRED[1:], "num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings")},
+    **{key: (_finite_number, "a finite number") for key in ("rms_norm_eps", "layer_norm_eps", "rope_theta")},
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "torch_dtype": (lambda v: isinstance(v, str), "a dtype name"),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -75,10 +94,10 @@ class ModelConfig:
         missing = [key for key in REQUIRED if rest.get(key) is None] if family else []
         if missing:
             raise FormatError(path, f"config is missing required keys: {', '.join(missing)}")
-        for key in (*REQUIRED[1:], "num_key_value_heads"):  # sizes and divisors: hostile values fail here, named
+        for key, (is_valid, what) in _FIELD_TYPES.items():  # hostile values fail here, named
             value = rest.get(key)
-            if value is not None and (not isinstance(value, Integral) or isinstance(value, bool) or value <= 0):
-                raise FormatError(path, f"config key {key} is {value!r}; it must be a positive integer")
+            if value is not None and not is_valid(value):
+                raise FormatError(path, f"config key {key} is {value!r}; it must be {what}")
         if "tie_word_embeddings" not in rest:
             rest["tie_word_embeddings"] = family.tie_word_embeddings_default if family else False
 
@@ -110,11 +129,7 @@ def _aliases(model_type: str | None) -> Mapping[str, str]:
 
 def read_config(directory: str | PathLike) -> dict[str, Any]:
     """A model directory's config.json as stored. FormatError naming the file when it is not a JSON object."""
-    path = Path(directory) / CONFIG
-    config = read_json(path)
-    if not isinstance(config, dict):
-        raise FormatError(path, "is not a JSON object")
-    return config
+    return read_json_object(Path(directory) / CONFIG, directory)
 
 
 def load_config(directory: str | PathLike) -> dict[str, Any]:
@@ -131,12 +146,23 @@ def load_config(directory: str | PathLike) -> dict[str, Any]:
     generation = {}
     if (directory / GENERATION_CONFIG).exists():
         try:
-            generation = json.loads((directory / GENERATION_CONFIG).read_bytes())
-        except json.JSONDecodeError:  # mlx_lm ignores a generation config it cannot parse
+            generation = json.loads(read_bytes(directory / GENERATION_CONFIG, directory))
+        except (ValueError, RecursionError):  # mlx_lm ignores a generation config it cannot parse
             pass
+    if not isinstance(generation, dict):
+        raise FormatError(directory / GENERATION_CONFIG, "is not a JSON object")
     if eos := generation.get("eos_token_id", False):
+        if not _is_token_ids(eos):
+            raise FormatError(directory / GENERATION_CONFIG, f"eos_token_id is {eos!r}, not token ids")
         config["eos_token_id"] = eos
     return config
+
+
+def _is_token_ids(value: Any) -> bool:
+    def is_id(v: Any) -> bool:
+        return isinstance(v, Integral) and not isinstance(v, bool) and v >= 0
+
+    return is_id(value) or (isinstance(value, list) and all(is_id(v) for v in value))
 
 
 def _has_tagged_float(obj: Any) -> bool:

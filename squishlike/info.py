@@ -7,7 +7,8 @@ from pathlib import Path
 from .hub import resolve
 from .npydir import NpyDir, is_npydir
 from .provider import WeightProvider
-from .io.sentinel import read_sentinel, verify_files
+from .io.checksum import verify_files
+from .io.sentinel import read_sentinel
 from .tiers import ORDER, choice, ordered, tier_status
 
 
@@ -47,8 +48,7 @@ def inspect_model(path: str | Path) -> dict:
 def verify(path: str | Path) -> list[str]:
     """Re-read every file of the store and of each ready tier against its checksum. [] means all is well."""
     store = NpyDir(resolve(path))
-    recorded = {**store.part_files(), **store.manifest.side_files}
-    problems = verify_files(store.path, {rel: record.to_json() for rel, record in recorded.items()})
+    problems = verify_files(store.path, store.file_records())
     for tier in ORDER:
         sentinel = store.path / tier.sentinel
         payload, why = read_sentinel(sentinel, store.fingerprint)

@@ -40,6 +40,7 @@ def load(
     tier: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    verify: bool | None = None,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """Load a model and its tokenizer; same arguments and result as `mlx_lm.load`, plus `tier=`.
 
@@ -48,6 +49,12 @@ def load(
     ready tier in this device's order wins (quantized first on a GPU, dense first on mlx[cpu]: docs/format.md §9),
     and the first load of a fresh npy-dir builds that tier from the store for every later process, returning the
     same model they will.
+    The first load checks every store file against the manifest's checksum, so a damaged store fails naming the
+    file and never becomes a cache.
+
+    `verify=True` (or SQUISHLIKE_VERIFY=1 in the environment) also hashes a cache tier's files against its
+    sentinel before loading them; a damaged tier is then skipped and rebuilt. (An Ollama blob is always checked
+    against its digest; other formats record no checksum.)
     """
     path = resolve(path_or_hf_repo, revision)
     options = {"tokenizer_config": tokenizer_config, "model_config": model_config, "lazy": lazy,
@@ -59,7 +66,7 @@ def load(
             import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
 
             started = time.perf_counter()
-            loaded = load_weights(store, tier, lazy)
+            loaded = load_weights(store, tier, lazy, verify)
             seconds = time.perf_counter() - started
             log.debug("%s: weights from the %s tier in %.3f s", store.path, loaded.tier, seconds,
                       extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds}})

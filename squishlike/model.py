@@ -10,6 +10,7 @@ from whichever tier or format produced them instead of globbing `model*.safetens
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ def build_model(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """An mlx_lm model with `weights` loaded. Quantized layers are created where weights carry `<p>.scales`."""
+    check_against_weights(config, weights, model_dir or "config.json")
     model = new_model(config, model_dir, trust_remote_code)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
@@ -119,6 +121,35 @@ def build_model(
     if not lazy:
         mx.eval(model.parameters())
     return model
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def check_against_weights(config: dict[str, Any], weights: dict[str, mx.array], source: str | Path) -> None:
+    """Refuse, before building anything, a config the weights cannot fill: more layers than the weights have (a
+    config claiming 2**31 layers would otherwise allocate for minutes), or a quantization block of the wrong
+    types."""
+    layers = {int(m.group(1)) for name in weights if (m := _LAYER_INDEX.search(name))}
+    for key in LAYER_COUNT_KEYS:
+        count = config.get(key)
+        if isinstance(count, int) and not isinstance(count, bool) and count > len(layers):
+            raise FormatError(source, f"config says {key}={count}, the weights hold {len(layers)} layers")
+    quantization = config.get("quantization")
+    if quantization is None:
+        return
+    if not isinstance(quantization, dict):
+        raise FormatError(source, f"config's quantization is {quantization!r}, not an object")
+    for path, value in [("", quantization), *((k, v) for k, v in quantization.items() if isinstance(v, dict))]:
+        for key in ("group_size", "bits"):
+            if key in value or not path:
+                v = value.get(key)
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    where = f"{path}.{key}" if path else key
+                    raise FormatError(source, f"config's quantization {where} is {v!r}, not a positive integer")
+        if not isinstance(value.get("mode", "affine"), str):
+            raise FormatError(source, f"config's quantization mode is {value.get('mode')!r}, not a name")
 
 
 def build_tokenizer(

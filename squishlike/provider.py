@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .arch import Architecture, Need, Rule, architecture_for, mlx_named
 from .config import ModelConfig
-from .errors import MissingTensorError, UnsupportedArchitectureError
+from .errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from .formats import FormatReader, QuantizedTensor, open_reader
 from .formats.sanitized import SanitizedReader
 from .hub import resolve
@@ -52,6 +52,9 @@ class WeightProvider:
                 reader = self.reader = SanitizedReader(reader)
             self.arch = mlx_named(self.config.model_type, reader.tensors())
         stored = reader.tensors()
+        if self.config.num_hidden_layers > len(stored):  # every layer stores at least one tensor
+            raise FormatError(reader.path, f"config says num_hidden_layers={self.config.num_hidden_layers}, more "
+                                           f"layers than the {len(stored)} tensors it stores")
         rows = self.arch.expanded_rules(self.config.num_hidden_layers)
         # The table column the file's names are in: the reader's, or mlx_lm's where an unquantized directory
         # written by mlx_lm holds names that differ from HF's (GPT-2's `model.` prefix).

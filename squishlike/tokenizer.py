@@ -34,8 +34,10 @@ from mlx_lm.utils import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+from .errors import FormatError
 from .io.atomic import write_json
 from .io.checksum import file_checksum
+from .io.files import read_bytes
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +114,8 @@ def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eo
 
 def _read_facts(directory: Path, key: str) -> dict | None:
     try:
-        facts = json.loads((directory / FACTS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        facts = json.loads(read_bytes(directory / FACTS_FILE, directory))  # never a FIFO: it would block
+    except (FormatError, ValueError, RecursionError):  # missing, not a regular file, not JSON: work them out again
         return None
     return facts if isinstance(facts, dict) and facts.get("key") == key else None
 

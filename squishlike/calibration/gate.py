@@ -11,7 +11,8 @@ from ..evaluation import passes_gate, perplexity, prepare_for_eval
 from ..npydir import MANIFEST, NpyDir
 from ..model import assemble
 from ..provider import WeightProvider
-from ..io.atomic import read_json, write_json
+from ..io.atomic import write_json
+from ..io.files import read_json
 from ..tiers import load_weights
 from .plan import Plan
 from .stats import CALIBRATION_TEXT, calibration_windows, log, source_model

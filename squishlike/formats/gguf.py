@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from collections.abc import Collection, Mapping
 from os import PathLike
@@ -28,6 +29,7 @@ from ..arch import architecture_for_gguf
 from ..config import ModelConfig
 from ..errors import FormatError, MissingTensorError, SquishError
 from ..io.atomic import atomic_path, write_bytes
+from ..io.files import open_regular
 from .base import FormatReader, TensorInfo
 
 MAGIC = b"GGUF"
@@ -80,6 +82,8 @@ _SCALAR_SIZES = {
 
 
 _U64 = struct.Struct("<Q")
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays: llama.cpp writes none deeper than 2
 
 
 class _Extents:
@@ -104,12 +108,14 @@ class _Extents:
         for _ in range(tensor_count):
             name = self.string()
             (n_dims,) = self.take("I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions; GGML tensors have at most {MAX_DIMS}")
             self.skip(8 * n_dims + 4)  # dims, type
             (offset,) = self.take("Q")
             if offset > len(self.data) - self.pos:  # the data section starts further on still
                 raise EOFError(f"tensor {name!r} starts at byte {offset} of the data, past the end of the file")
 
-    def value(self, value_type: int) -> bool:
+    def value(self, value_type: int, depth: int = 0) -> bool:
         """Step over one value; False for a type gguf-py will refuse."""
         if value_type == gguf.GGUFValueType.STRING:
             self.string()
@@ -123,8 +129,10 @@ class _Extents:
                 self.skip(length * _SCALAR_SIZES[item_type])
             elif item_type == gguf.GGUFValueType.STRING:
                 self.strings(length)
+            elif depth >= MAX_NESTING:
+                raise ValueError(f"arrays nested more than {MAX_NESTING} deep at byte {self.pos}")
             else:
-                return all(self.value(item_type) for _ in range(length))
+                return all(self.value(item_type, depth + 1) for _ in range(length))
         else:
             return False
         return True
@@ -155,6 +163,19 @@ class _Extents:
         self.pos += n
 
 
+def _check_tensor_data(reader: gguf.GGUFReader, size: int) -> None:
+    """Every tensor's data aligned, inside the file, and overlapping no other tensor's (ValueError otherwise)."""
+    end_of_previous, previous = 0, None
+    for t in sorted(reader.tensors, key=lambda t: t.data_offset):
+        if t.data_offset % reader.alignment:
+            raise ValueError(f"tensor {t.name!r} starts at byte {t.data_offset}, not aligned to {reader.alignment}")
+        if t.data_offset < end_of_previous:
+            raise ValueError(f"tensor {t.name!r} overlaps the data of {previous!r}")
+        end_of_previous, previous = t.data_offset + int(t.n_bytes), t.name
+        if end_of_previous > size or t.data.nbytes != int(t.n_bytes):
+            raise ValueError(f"tensor {t.name!r} runs past the end of the file")
+
+
 class GGUFReader(FormatReader):
     """One .gguf file. `metadata` holds every key/value as GGUF spells it (`llama.block_count`, ...)."""
 
@@ -163,16 +184,18 @@ class GGUFReader(FormatReader):
 
     def __init__(self, path: Path):
         super().__init__(path)
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             magic, version = f.read(len(MAGIC)), f.read(4)
+            size = os.fstat(f.fileno()).st_size
         if magic != MAGIC:
             raise FormatError(self.path, f"bad magic {magic!r}, a GGUF file starts with {MAGIC!r}")
         if len(version) == 4 and int.from_bytes(version, "little") & 0xFFFF == 0:  # a version written big-endian
             raise FormatError(self.path, "big-endian GGUF files are not supported")
         try:
-            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            with open_regular(self.path) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 _Extents(data).check()
             self._gguf = gguf.GGUFReader(self.path)
+            _check_tensor_data(self._gguf, size)
         except (ValueError, KeyError, IndexError, EOFError, UnicodeDecodeError, OverflowError) as e:
             # gguf-py raises these for a bad version, unknown value or tensor type, duplicate or truncated records
             raise FormatError(self.path, f"unreadable GGUF: {e}") from e

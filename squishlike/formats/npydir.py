@@ -8,7 +8,8 @@ import mlx.core as mx
 
 from ..dtypes import to_mx
 from ..npydir import NpyDir, is_npydir
-from ..io.atomic import copy_file, read_json
+from ..io.atomic import copy_file
+from ..io.files import read_json
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
 
@@ -48,6 +49,7 @@ class NpyDirReader(FormatReader):
         return self.store.quantized(name)
 
     def write_side_files(self, dest: Path) -> list[Path]:
+        Path(dest).mkdir(parents=True, exist_ok=True)
         written = []
         for rel in self.store.manifest.side_files:
             copy_file(self.path / rel, Path(dest) / rel)

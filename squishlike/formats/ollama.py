@@ -19,7 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FormatError, IntegrityError, MissingTensorError
-from ..io.atomic import copy_file, read_json
+from ..io.atomic import copy_file
+from ..io.files import read_json, regular_file
 from ..io.checksum import file_checksum  # sha256, the digest Ollama names blobs by
 from .base import FormatReader, QuantizedTensor, TensorInfo
 from .mlx import QuantParams, quantized_shape
@@ -113,7 +114,11 @@ class OllamaReader(FormatReader):
         blob = blob_path(self.root, digest)
         if not blob.is_file():
             raise FormatError(self.path, f"layer {layer.get('name')!r} names blob {blob}, which does not exist")
-        if "size" in layer and blob.stat().st_size != layer["size"]:
+        regular_file(blob, self.root)
+        size = layer.get("size", blob.stat().st_size)
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise FormatError(self.path, f"layer {layer.get('name')!r} has size {size!r}, not a byte count")
+        if blob.stat().st_size != size:
             raise IntegrityError(blob, f"is {blob.stat().st_size} bytes, the manifest says {layer['size']} "
                                        f"for digest {digest}")
         self._digests[blob] = match.group(1)

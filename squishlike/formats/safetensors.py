@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,7 +24,8 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import CONFIG, read_config
 from ..errors import FormatError, MissingTensorError
-from ..io.atomic import atomic_file, copy_file, read_json, stream_file
+from ..io.atomic import atomic_file, copy_file, stream_file
+from ..io.files import open_regular, read_json, regular_file
 from ..io.stream import StreamWriter
 from .base import FormatReader, TensorInfo
 
@@ -92,17 +94,23 @@ def tensor_of(name: str, array: mx.array) -> Tensor:
     return Tensor(name, dtype_name(array.dtype), tuple(array.shape), array)
 
 
-def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields, data 8-byte aligned),
-    then each tensor's bytes, streamed from its buffer without an intermediate copy of the model."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
+def layout(tensors: list[Tensor]) -> dict[str, dict]:
+    """The header entries `write_tensors` writes for `tensors`: each tensor's data right after the previous one's."""
+    header, offset = {}, 0
     for name, dtype, shape, _ in tensors:
         if dtype not in _ST_NAMES:
             raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
         nbytes = math.prod(shape) * DTYPES[_ST_NAMES[dtype]].size
         header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
+    return header
+
+
+def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields, data 8-byte aligned),
+    then each tensor's bytes, streamed from its buffer without an intermediate copy of the model."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    header.update(layout(tensors))
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     w.write(len(blob).to_bytes(8, "little") + blob)
@@ -114,6 +122,39 @@ def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, st
                              f"({end - start} bytes)")
         w.write(buffer)
         del buffer
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict:
+    names = [k for k, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a tensor name appears twice: {next(n for n in names if names.count(n) > 1)!r}")
+    return dict(pairs)
+
+
+def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None) -> None:
+    """The cheap structural check of a file squishlike wrote: its header must be exactly `layout(tensors)` (names,
+    dtypes, shapes, offsets, in that order: a swapped name or a relabelled dtype is refused) and the file exactly
+    as long as that data. Reads the header only. FormatError naming `path` otherwise."""
+    with open_regular(path, root) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 <= length <= size - 8:
+            raise FormatError(path, f"header length {length} does not fit in a file of {size} bytes")
+        try:
+            header = json.loads(f.read(length), object_pairs_hook=_unique_names)
+        except (ValueError, RecursionError) as e:
+            raise FormatError(path, f"unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(path, "safetensors header is not an object")
+    header.pop("__metadata__", None)
+    expected = layout(tensors)
+    if header != expected:
+        name = next((n for n in expected if header.get(n) != expected[n]), None) or next(iter(header.keys() - expected))
+        raise FormatError(path, f"header entry {name!r} is {header.get(name)}, the tier wrote {expected.get(name)}")
+    data = max((e["data_offsets"][1] for e in expected.values()), default=0)
+    if size != 8 + length + data:
+        raise FormatError(path, f"is {size} bytes; its header describes {8 + length + data}")
 
 
 def write_safetensors(final: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None,
@@ -141,7 +182,7 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = regular_file(path, Path(path).parent)
         try:
             with safe_open(str(self.path), framework="numpy") as f:
                 self.metadata: dict[str, str] = f.metadata() or {}
@@ -186,7 +227,7 @@ def find_weights(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
     Without an index: model.safetensors, else `model*.safetensors` as mlx_lm globs them.
     """
     index = directory / INDEX
-    if not index.is_file():
+    if not os.path.lexists(index):
         single = directory / SINGLE_FILE
         return ([single] if single.is_file() else sorted(directory.glob("model*.safetensors"))), None
     weight_map = read_json(index)
@@ -209,7 +250,7 @@ def find_weights(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
 
 def copy_side_files(source: Path, dest: Path) -> list[Path]:
     """Copy config.json, tokenizer files, generation config and chat template from `source` into `dest`."""
-    names = [n for n in SIDE_FILES if (source / n).is_file()]
+    names = [n for n in SIDE_FILES if os.path.lexists(source / n)]  # a FIFO or a link out is refused, not skipped
     names += sorted(p.name for pattern in SIDE_FILE_PATTERNS for p in source.glob(pattern))
     dest.mkdir(parents=True, exist_ok=True)
     for name in names:

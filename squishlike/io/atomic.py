@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from ..errors import FormatError
 from .fault import fault_point
+from .files import open_regular
 from .stream import StreamWriter
 
 _COPY_CHUNK = 1 << 20
@@ -115,18 +116,11 @@ def write_json(final: Path, obj: Any) -> dict:
 
 
 def copy_file(src: Path, final: Path) -> dict:
-    """Atomically copy `src` to `final`; return the copy's file record (size, checksum)."""
-    with atomic_file(final) as w, open(src, "rb") as f:
+    """Atomically copy the regular file `src` (inside its own directory, see files.regular_file) to `final`;
+    return the copy's file record (size, checksum)."""
+    with open_regular(src, Path(src).parent) as f, atomic_file(final) as w:
         shutil.copyfileobj(f, w, _COPY_CHUNK)
     return w.record()
-
-
-def read_json(path: Path) -> Any:
-    """JSON from `path`; FormatError naming the file when it is unreadable or not JSON."""
-    try:
-        return json.loads(Path(path).read_bytes())
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
-        raise FormatError(path, f"not readable as JSON: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- directories

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import FormatError
 from .atomic import write_json
-from .checksum import CHECKSUM, file_checksum
+from .files import read_bytes
 
 SENTINEL_VERSION = 1
 ABSENT = "absent"  # read_sentinel's reason when there is no sentinel at all (the tier was never built or was removed)
@@ -28,14 +29,16 @@ def read_sentinel(path: Path, manifest_fingerprint: str) -> tuple[dict | None, s
     """(payload, "") for a valid sentinel, else (None, why it does not count).
 
     Valid means: readable JSON of our version, made for this manifest, naming files that exist with the recorded
-    sizes and inside the sentinel's directory. Checksums are not re-read here (that is `verify_files`); sizes are
+    sizes and inside the sentinel's directory. Checksums are not re-read here (that is `checksum.verify_files`); sizes are
     cheap.
     """
-    if not path.is_file():  # never open a FIFO or a device: reading it could block forever
-        return None, ABSENT if not (path.exists() or path.is_symlink()) else "not a regular file"
+    if not (path.exists() or path.is_symlink()):
+        return None, ABSENT
     try:
-        payload = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
+        payload = json.loads(read_bytes(path))
+    except FormatError as e:  # a FIFO, a device: never opened
+        return None, e.problem
+    except (ValueError, RecursionError):  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
         return None, "unreadable or not JSON"
     if not isinstance(payload, dict) or payload.get("format_version") != SENTINEL_VERSION:
         return None, "unknown sentinel version"
@@ -69,17 +72,3 @@ def sentinel_says_damaged(why: str) -> bool:
     """Whether read_sentinel's reason means a valid sentinel over damaged files (missing, wrong size), as opposed
     to no sentinel, a stale one, or one that is itself unreadable."""
     return why.endswith((": missing", ": size differs from the sentinel"))
-
-
-def verify_files(root: Path, files: dict[str, dict]) -> list[str]:
-    """Re-read and checksum every recorded file; return one problem line per bad file."""
-    problems = []
-    for rel, record in files.items():
-        p = root / rel
-        if not p.is_file():
-            problems.append(f"{p}: missing")
-        elif p.stat().st_size != record.get("size"):
-            problems.append(f"{p}: size {p.stat().st_size}, expected {record.get('size')}")
-        elif file_checksum(p) != record.get(CHECKSUM):
-            problems.append(f"{p}: {CHECKSUM} differs from the recorded checksum")
-    return problems

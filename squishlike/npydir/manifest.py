@@ -263,7 +263,7 @@ class Manifest:
             raise FormatError(path, f"not a {FORMAT} manifest")
         if raw.get("format_version") != FORMAT_VERSION:
             raise FormatError(path, f"unsupported format_version {raw.get('format_version')!r}")
-        if raw.get("runtime_dtype") not in NP_STORAGE:
+        if not isinstance(raw.get("runtime_dtype"), str) or raw["runtime_dtype"] not in NP_STORAGE:
             raise FormatError(path, f"unknown runtime_dtype {raw.get('runtime_dtype')!r}")
         if not isinstance(raw.get("tensors"), dict):
             raise FormatError(path, "has no tensor table")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -22,16 +22,19 @@ from ..dtypes import MX_DTYPES, to_mx, to_numpy
 from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from ..formats.base import QuantizedTensor
 from ..config import load_config
-from ..io.atomic import read_json
+from ..io.files import open_regular, read_bytes, read_json, regular_file
+from ..io.npy import read_npy_header
 from ..quant.schemes import rows_cols
 from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
 
 _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
-# NumPy parses a .npy header with ast.literal_eval, and CPython 3.11 (before 3.11.8) keeps the AST constructor's
-# recursion depth in interpreter-wide state: two threads parsing at once fail at random with "SystemError: AST
-# constructor recursion depth mismatch" (python/cpython#106905). The cold path opens parts from a thread pool,
-# so header parsing takes turns; it is microseconds, the reads and dequantization stay parallel.
-_HEADER_LOCK = threading.Lock()
+
+
+def _all_finite(array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether a stored float part (bfloat16 as its uint16 bits) holds only finite values."""
+    if dtype == np.uint16:  # bfloat16: finite unless every exponent bit is set
+        return not np.any((array & 0x7F80) == 0x7F80)
+    return bool(np.isfinite(array).all())
 
 
 def is_npydir(path: str | Path) -> bool:
@@ -61,30 +64,20 @@ def read_source(path: str | Path) -> Source | None:
 
 @contextlib.contextmanager
 def _open_data(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
-    """(file descriptor, offset of the data) of a .npy whose header says `dtype` and `shape` in C order;
-    FormatError naming the file otherwise."""
-    try:
-        with open(path, "rb", buffering=0) as f:
-            version = np.lib.format.read_magic(f)
-            readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            if version not in readers:
-                raise ValueError(f"npy format version {version} not supported")
-            with _HEADER_LOCK:
-                got_shape, fortran, got_dtype = readers[version](f)
-            if got_dtype != dtype or tuple(got_shape) != shape or (fortran and len(shape) > 1):
-                raise FormatError(path, f"holds {got_dtype}{list(got_shape)}, its role needs {dtype}{list(shape)}")
-            yield f.fileno(), f.tell()
-    except FormatError:
-        raise
-    except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
-        raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
+    """(file descriptor, offset of the data) of the regular file `path`, a .npy whose header says exactly
+    `dtype` and `shape` in C order (io.npy.read_npy_header); FormatError naming the file otherwise."""
+    with open_regular(path) as f:
+        yield f.fileno(), read_npy_header(f, path, dtype, shape)
 
 
 def _pread_into(fd: int, path: Path, view: memoryview, offset: int) -> None:
     """Fill `view` from the file at `offset`; FormatError when the file ends first."""
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:done + _READ_CHUNK]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:done + _READ_CHUNK]], offset + done)
+        except OSError as e:
+            raise FormatError(path, f"unreadable ({e.strerror})") from None
         if n == 0:
             raise FormatError(path, f"ends after {done} of {len(view)} data bytes")
         done += n
@@ -96,28 +89,26 @@ class NpyDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
-        raw = manifest_path.read_bytes() if manifest_path.is_file() else None
-        if raw is None:
-            raise FormatError(manifest_path, "missing: not a squishlike npy-dir")
+        raw = read_bytes(manifest_path, self.path)
         self.fingerprint = hashlib.sha256(raw).hexdigest()
-        self.manifest = Manifest.from_json(read_json(manifest_path), manifest_path)
+        try:
+            parsed = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
+            raise FormatError(manifest_path, f"not readable as JSON: {e}") from None
+        self.manifest = Manifest.from_json(parsed, manifest_path)
         self._validate_side_files(manifest_path)
         self._validate_architecture(manifest_path)
+        self._validate_dimensions(manifest_path)
 
     is_npydir = staticmethod(is_npydir)
 
     def _validate_side_files(self, manifest_path: Path) -> None:
         """Side files are plain files inside the directory, never links that lead out of it."""
-        root = self.path.resolve()
         for rel in [*self.manifest.side_files, "config.json"]:
-            p = self.path / rel
             try:
-                if p.is_symlink() and root not in p.resolve().parents:
-                    raise FormatError(p, f"is a symbolic link out of {self.path}")
-                if p.exists() and not p.is_file():  # a FIFO or a device would block or never end when read
-                    raise FormatError(p, "is not a regular file")
-            except (OSError, RuntimeError) as e:  # a name too long for the filesystem, a symlink loop
-                raise FormatError(manifest_path, f"side file {rel!r}: unusable ({e})") from None
+                regular_file(self.path / rel, self.path)
+            except FormatError as e:
+                raise FormatError(e.path, f"{e.problem} (side file of {manifest_path})") from None
 
     def _validate_architecture(self, manifest_path: Path) -> None:
         """Canonical names must be rows of the family's table. mlx_lm's names are checked by the model they bind
@@ -136,6 +127,16 @@ class NpyDir:
                 arch.mlx_name(name)
             except KeyError:
                 raise FormatError(manifest_path, f"tensor {name!r} is not a tensor of {model_type}") from None
+
+    def _validate_dimensions(self, manifest_path: Path) -> None:
+        """No tensor dimension is larger than every size the config states (hidden, vocabulary, intermediate, ...
+        sizes): a manifest cannot claim terabytes that parts on sparse files would back."""
+        config = self.config()
+        largest = max((v for v in config.values() if isinstance(v, int) and not isinstance(v, bool)), default=0)
+        for name, entry in self.entries.items():
+            if any(d > largest for d in entry.shape):
+                raise FormatError(manifest_path, f"tensor {name!r} has shape {list(entry.shape)}; no size in "
+                                                 f"{self.path / 'config.json'} is larger than {largest}")
 
     # -- manifest views
 
@@ -164,11 +165,9 @@ class NpyDir:
         try:
             if path.is_symlink() or path.parent.is_symlink():  # squishlike writes none: a link can only lead out
                 raise FormatError(path, f"is a symbolic link; a stored part must be a file inside {self.path}")
-            if path.exists() and not path.is_file():  # a FIFO or a device would block or never end when read
-                raise FormatError(path, "is not a regular file")
         except OSError as e:  # a key too long for the filesystem
             raise FormatError(path, f"unusable file name ({e.strerror})") from None
-        return path
+        return regular_file(path, self.path)
 
     def check_part_sizes(self) -> None:
         """Every stored part is a regular file big enough for the data its manifest entry claims: call before
@@ -177,12 +176,7 @@ class NpyDir:
             for suffix in entry.kind.suffixes:
                 path = self.part_path(name, suffix)
                 dtype, shape = entry.part_spec(suffix)
-                try:
-                    size = path.stat().st_size if path.is_file() else -1
-                except OSError:
-                    size = -1
-                if size < 0:
-                    raise FormatError(path, "missing (or not a regular file)")
+                size = path.stat().st_size
                 if size < math.prod(shape) * dtype.itemsize:
                     raise FormatError(path, f"is {size} bytes, too small for {dtype}{list(shape)}")
 
@@ -190,19 +184,22 @@ class NpyDir:
         """Every store file, relative to the npy-dir, with its recorded size and checksum."""
         return self.manifest.part_files()
 
+    def file_records(self) -> dict[str, dict]:
+        """Every file the manifest records (parts and side files), relative to the npy-dir: {size, sha256}."""
+        recorded = {**self.part_files(), **self.manifest.side_files}
+        return {rel: record.to_json() for rel, record in recorded.items()}
+
     def load_part(self, name: str, suffix: str) -> np.ndarray:
-        """One stored part, memory-mapped, checked against the dtype and shape its role demands."""
-        dtype, shape = self.entry(name).part_spec(suffix)
+        """One stored part, memory-mapped, checked against the dtype, shape and order its role demands; scales and
+        offsets checked finite."""
+        entry = self.entry(name)
+        dtype, shape = entry.part_spec(suffix)
         path = self.part_path(name, suffix)
-        try:
-            with _HEADER_LOCK:
-                array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except Exception as e:  # noqa: BLE001 - numpy's header parser also raises tokenize.TokenError, ...
-            raise FormatError(path, f"unreadable .npy ({type(e).__name__}: {e})") from None
-        if array.dtype != dtype or array.shape != shape:
-            raise FormatError(path, f"holds {array.dtype}{list(array.shape)}, its role needs {dtype}{list(shape)}")
-        if not array.flags.c_contiguous:
-            raise FormatError(path, "is stored in Fortran (column-major) order; squishlike writes C order")
+        with open_regular(path, self.path) as f:
+            offset = read_npy_header(f, path, dtype, shape)
+            array = np.memmap(f, dtype, "r", offset, shape) if math.prod(shape) else np.empty(shape, dtype)
+        if entry.kind.quantized and suffix != entry.kind.suffixes[0] and not _all_finite(array, dtype):
+            raise FormatError(path, "holds NaN or infinite scales or offsets")
         return array
 
     def read_part_into(self, name: str, suffix: str, out: np.ndarray) -> None:

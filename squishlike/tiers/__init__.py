@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import logging
 import sys
 import warnings
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..errors import FormatError, TierNotReadyError
 from ..io.atomic import remove_stale_temps
+from ..io.checksum import check_files
 from ..io.lock import DirectoryLock
 from ..io.sentinel import ABSENT, sentinel_says_damaged
 from ..npydir import NpyDir
@@ -109,17 +111,24 @@ def _bytes_under(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False) -> Loaded:
+def verify_wanted(verify: bool | None = None) -> bool:
+    """`verify`, or when it is None the environment switch SQUISHLIKE_VERIFY=1."""
+    return verify if verify is not None else os.environ.get("SQUISHLIKE_VERIFY", "0") not in ("", "0")
+
+
+def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, verify: bool | None = None) -> Loaded:
     """Weights for the model, from the forced `tier` or the first ready one in this device's order; when none is
     ready, the cold path (which builds the tier the order will use).
 
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
-    computes them."""
+    computes them. The cold path always checks the store's checksums; `verify` (see verify_wanted) also checks
+    a cache tier's files against its sentinel before they are loaded (a damaged tier is then rebuilt)."""
+    verify = verify_wanted(verify)
     try:
         if tier is not None:
-            return _load_forced(store, tier, lazy)
+            return _load_forced(store, tier, lazy, verify)
         damaged: list[str] = []
-        loaded = _first_ready(store, lazy, damaged)
+        loaded = _first_ready(store, lazy, damaged, verify)
         if loaded is not None:
             return loaded
         # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
@@ -155,7 +164,7 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
     return fastmem.reserve(nbytes) if nbytes else False
 
 
-def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
+def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = False) -> Loaded:
     """The named tier's weights; one the policy asks for but never built (no sentinel at all) is built now (cold
     path). Any other tier that is not ready is an error: a stale, damaged or foreign sentinel is never trusted and
     never silently replaced by a forced load."""
@@ -164,6 +173,8 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
     chosen = BY_NAME[tier]
     payload, why = chosen.ready(store)
     if payload is not None:
+        if verify:
+            _check_tier_files(store, chosen, payload)
         return chosen.load(store, lazy=lazy)
     if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
         _cold_and_build(store, [chosen], lazy)
@@ -172,7 +183,15 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False) -> Loaded:
     raise TierNotReadyError(f"{store.path / chosen.sentinel}: tier {tier!r} is not ready ({why})")
 
 
-def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None) -> Loaded | None:
+def _check_tier_files(store: NpyDir, tier: Tier, payload: dict) -> None:
+    """IntegrityError naming the first file of a cache tier that differs from its sentinel's record (the cold
+    tier checks its own files as it loads)."""
+    if tier is not COLD:
+        check_files((store.path / tier.sentinel).parent, payload["files"])
+
+
+def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None,
+                 verify: bool = False) -> Loaded | None:
     """The first ready tier's weights. With `damaged`, stop at the first tier whose files are damaged (missing,
     wrong size, unreadable header), name it there and return None, so the caller rebuilds it."""
     for tier in ordered(ORDER):
@@ -187,6 +206,8 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
                 return None
             continue
         try:
+            if verify:
+                _check_tier_files(store, tier, payload)
             return tier.load(store, lazy=lazy)
         except (FormatError, OSError, ValueError, RuntimeError) as e:
             # A tier that passed its cheap checks but fails to load is corrupt: skip it; the cold path rebuilds it.
@@ -262,4 +283,4 @@ def build_progress(store: NpyDir, goals: list[Tier]):
 
 __all__ = ["ORDER", "COLD", "TIERS", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
            "target", "first_builds", "choice", "ordered", "prune",
-           "prepare_memory", "release_memory"]
+           "prepare_memory", "release_memory", "verify_wanted"]

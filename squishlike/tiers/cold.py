@@ -16,8 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..dtypes import MX_STORAGE, NP_STORAGE
+from ..errors import FormatError
+from ..io.checksum import check_files
 from ..npydir import MANIFEST, NpyDir
-from .base import Loaded, Tier, mlx_names
+from .base import Loaded, Tier, mlx_names, runtime_bytes
 from .fastmem import assign_streams, cpu_streams, huge_page_arena, prefetch
 
 
@@ -38,11 +40,19 @@ class ColdTier(Tier):
     def load_dense(self, store: NpyDir, only: Collection[str] | None = None) -> tuple[Loaded, dict[str, np.ndarray]]:
         """(the weights, the same memory as NumPy arrays by canonical name: what the cache tiers build from).
 
-        `only`: dequantize just these tensors (what a quantized tier's build needs); the weights are then partial."""
+        `only`: dequantize just these tensors (what a quantized tier's build needs); the weights are then partial.
+
+        Every store file is checked against the manifest's checksum, on a background thread while the kernels
+        dequantize, and an IntegrityError naming the first damaged file is raised before anything is returned:
+        damaged data never reaches a model, nor a cache tier built from these buffers."""
         store.check_part_sizes()  # before allocating from the manifest's shapes
+        _check_fits_in_memory(store)
         prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
-        buffers, dense = _allocate(store, set(store.entries) if only is None else set(only))
-        _dequantize_all(store, dense)
+        with ThreadPoolExecutor(1, thread_name_prefix="squishlike-verify") as pool:
+            checked = pool.submit(check_files, store.path, store.file_records())
+            buffers, dense = _allocate(store, set(store.entries) if only is None else set(only))
+            _dequantize_all(store, dense)
+            checked.result()
         names = mlx_names(store)  # canonical -> mlx_lm parameter name
         if store.runtime_dtype == "bfloat16":
             weights = {names[n]: b.view(mx.bfloat16) for n, b in buffers.items()}
@@ -52,6 +62,16 @@ class ColdTier(Tier):
 
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
         """Nothing: compress wrote this tier."""
+
+
+def _check_fits_in_memory(store: NpyDir) -> None:
+    """FormatError naming the manifest when its tensors need more memory than the machine has: parts on sparse
+    files can back any shape, and a failed allocation inside MLX kills the process instead of raising."""
+    needed = runtime_bytes(store)
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > physical:
+        raise FormatError(store.path / MANIFEST, f"its tensors need {needed} bytes of memory, more than the "
+                                                 f"{physical} bytes this machine has")
 
 
 def _allocate(store: NpyDir, names: set[str]) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:

@@ -33,6 +33,9 @@ from functools import cache
 
 import mlx.core as mx
 
+from ..errors import FormatError
+from ..io.files import open_regular
+
 HUGE_PAGE = 2 << 20
 MIN_ARENA = 64 << 20  # below this the page-fault cost is small enough not to bother
 _M_MMAP_MAX = -4  # mallopt parameter
@@ -342,12 +345,8 @@ def prefetch(paths: list) -> threading.Thread | None:
 
     def advise() -> None:
         for p in cold:
-            with contextlib.suppress(OSError):
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
+            with contextlib.suppress(OSError, FormatError), open_regular(p) as f:  # never a FIFO: it would block
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
 
     thread = threading.Thread(target=advise, name="squishlike-readahead", daemon=True)
     thread.start()
@@ -360,10 +359,11 @@ def _cached(path, probes: int = 8) -> bool:
     if flag is None:
         return True
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        f = open_regular(path)  # never a FIFO: it would block
+    except (OSError, FormatError):
         return True
-    try:
+    with f:
+        fd = f.fileno()
         size = os.fstat(fd).st_size
         buffer = bytearray(1)
         for k in range(probes):
@@ -375,8 +375,6 @@ def _cached(path, probes: int = 8) -> bool:
             except OSError:
                 return True  # RWF_NOWAIT unsupported here: assume cached, never worse than before
         return True
-    finally:
-        os.close(fd)
 
 
 def load_each(openers: dict[str, tuple[int, Callable[[mx.Stream], mx.array]]], lazy: bool = False,

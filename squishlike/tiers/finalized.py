@@ -17,7 +17,7 @@ import numpy as np
 from ..dtypes import MX_DTYPES, MX_STORAGE, NP_STORAGE
 from ..errors import FormatError
 from ..io.atomic import make_temp_dir, publish_dir
-from ..io.npy import write_npy_stream
+from ..io.npy import check_npy, write_npy_stream
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir, TensorEntry
 from .base import Loaded, Tier, mlx_names
@@ -40,6 +40,7 @@ class FinalizedTier(Tier):
             path = store.path / _file(entry)
 
             def open_on(stream: mx.Stream) -> mx.array:
+                check_npy(path, NP_STORAGE[dtype], entry.shape)
                 try:
                     array = mx.load(str(path), format="npy", stream=stream)
                 except (RuntimeError, ValueError, OSError) as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..formats.safetensors import Tensor, file_order, write_safetensors
+from ..formats.safetensors import Tensor, check_layout, file_order, write_safetensors
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from .base import Loaded, Tier, mlx_names
@@ -28,21 +28,27 @@ class MlxTier(Tier):
     paths = (WEIGHTS,)
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
-        return Loaded(load_safetensors(store.path / WEIGHTS, lazy=lazy), store.config(), self.name)
+        weights = load_safetensors(store.path / WEIGHTS, self.tensors(store), store.path, lazy=lazy)
+        return Loaded(weights, store.config(), self.name)
+
+    def tensors(self, store: NpyDir, dense: dict[str, np.ndarray] | None = None) -> list[Tensor]:
+        """What the tier's file holds, in order; with `dense`, the data to write."""
+        names = mlx_names(store)
+        dtype = store.runtime_dtype
+        return [Tensor(names[n], dtype, e.shape, dense[n] if dense is not None else None) for n, e in store.entries.items()]
 
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
         self.invalidate(store)
-        names = mlx_names(store)
-        dtype = store.runtime_dtype
-        tensors = [Tensor(names[n], dtype, store.entries[n].shape, dense[n]) for n in store.entries]
-        record = write_safetensors(store.path / WEIGHTS, tensors, METADATA)
+        record = write_safetensors(store.path / WEIGHTS, self.tensors(store, dense), METADATA)
         write_sentinel(
             store.path / self.sentinel, manifest_fingerprint=store.fingerprint, files={WEIGHTS: record}, tier=self.name
         )
 
 
-def load_safetensors(path: Path, lazy: bool = False) -> dict[str, mx.array]:
-    """mx.load(path), evaluated unless `lazy`: the same arrays, loaded in parallel into huge-page memory."""
+def load_safetensors(path: Path, tensors: list[Tensor], root: Path, lazy: bool = False) -> dict[str, mx.array]:
+    """mx.load(path), evaluated unless `lazy`: the same arrays, loaded in parallel into huge-page memory. The
+    header is checked first to be exactly the one written for `tensors` (check_layout)."""
+    check_layout(path, tensors, root)
     from_disk = not lazy and prefetch([path]) is not None
     return load_parallel(lambda stream: mx.load(str(path), stream=stream), order=file_order(path), lazy=lazy,
                          from_disk=from_disk)

@@ -13,13 +13,16 @@ one safetensors file as they are, checksummed while written.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 
 import numpy as np
 
-from ..config import load_config
-from ..formats.safetensors import write_safetensors
+from ..config import CONFIG
+from ..errors import FormatError
+from ..formats.safetensors import Tensor, write_safetensors
 from ..io.atomic import copy_file, make_temp_dir, publish_dir, write_json
+from ..io.files import read_json
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from ..quant import mlx_words
@@ -48,42 +51,54 @@ class QuantizedTier(Tier):
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         root = store.path / self.directory
-        return Loaded(load_safetensors(root / WEIGHTS, lazy=lazy), load_config(root), self.name)
+        config = self.config(store)
+        if _canonical(read_json(root / CONFIG, store.path)) != _canonical(config):  # 32.0 is not 32 here
+            raise FormatError(root / CONFIG, "is not the config this tier was built with")
+        weights = load_safetensors(root / WEIGHTS, self.tensors(store), store.path, lazy=lazy)
+        return Loaded(weights, config, self.name)
 
-    def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
-        self.invalidate(store)
+    def config(self, store: NpyDir) -> dict:
+        """The tier's config.json: the store's, with the quantization its file holds."""
+        group_size = min(e.group_size for e in store.entries.values() if e.scheme == self.scheme)
+        config = store.config()
+        # mlx_lm infers each layer's own group size from its scales' shape; the top level names the common one.
+        config["quantization"] = {"group_size": group_size, "bits": self.bits, "mode": "affine"}
+        config["quantization_config"] = config["quantization"]
+        return config
+
+    def tensors(self, store: NpyDir, dense: dict[str, np.ndarray] | None = None) -> list[Tensor]:
+        """What the tier's file holds, in order; with `dense`, the data to write. Each part is memory-mapped only
+        while it is written (a callable, opened by write_safetensors): zero-copy views of the store's bytes, never
+        all mapped (and counted in RSS) at once."""
         names = mlx_names(store)
         tensors = []
-        group_sizes = set()
         for name, entry in store.entries.items():
             if entry.scheme == self.scheme:
-                # Each part is memory-mapped only while it is written (a callable, opened by write_safetensors):
-                # zero-copy views of the store's bytes, never all mapped (and counted in RSS) at once.
                 q_part, s_part, z_part = entry.kind.suffixes
                 lead, cols = list(entry.shape[:-1]), entry.shape[-1]
                 words = entry.kind.uint32_cols(cols)
                 groups = cols // entry.group_size
                 prefix = names[name].removesuffix(".weight")
                 sd = entry.scale_dtype
-                tensors.append((f"{prefix}.weight", "uint32", [*lead, words], self._words(store, name, q_part)))
-                tensors.append((f"{prefix}.scales", sd, [*lead, groups], _part(store, name, s_part)))
-                tensors.append((f"{prefix}.biases", sd, [*lead, groups], _part(store, name, z_part)))
-                group_sizes.add(entry.group_size)
+                tensors.append(Tensor(f"{prefix}.weight", "uint32", [*lead, words], self._words(store, name, q_part)))
+                tensors.append(Tensor(f"{prefix}.scales", sd, [*lead, groups], _part(store, name, s_part)))
+                tensors.append(Tensor(f"{prefix}.biases", sd, [*lead, groups], _part(store, name, z_part)))
             else:
-                tensors.append((names[name], store.runtime_dtype, entry.shape, dense[name]))
+                tensors.append(Tensor(names[name], store.runtime_dtype, entry.shape, dense[name] if dense is not None else None))
+        return tensors
 
-        config = store.config()
-        # mlx_lm infers each layer's own group size from its scales' shape; the top level names the common one.
-        config["quantization"] = {"group_size": min(group_sizes), "bits": self.bits, "mode": "affine"}
-        config["quantization_config"] = config["quantization"]
+    def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
+        self.invalidate(store)
+        tensors = self.tensors(store, dense)
+        config = self.config(store)
 
         final = store.path / self.directory
         tmp = make_temp_dir(final)
         try:
             files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors, METADATA)}
-            files[f"{self.directory}/config.json"] = write_json(tmp / "config.json", config)
+            files[f"{self.directory}/{CONFIG}"] = write_json(tmp / CONFIG, config)
             for rel in store.manifest.side_files:
-                if rel != "config.json":
+                if rel != CONFIG:
                     files[f"{self.directory}/{rel}"] = copy_file(store.path / rel, tmp / rel)
             publish_dir(tmp, final)
         except BaseException:
@@ -102,6 +117,10 @@ class QuantizedTier(Tier):
 
     def _words(self, store: NpyDir, name: str, suffix: str):
         return lambda: mlx_words(self.scheme, store.load_part(name, suffix))
+
+
+def _canonical(value: dict) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _part(store: NpyDir, name: str, suffix: str):

@@ -53,7 +53,11 @@ import numpy as np  # noqa: E402
 
 from squishlike.errors import SquishError  # noqa: E402
 
-TARGETS = ("safetensors", "index", "config", "mlx_config", "gguf", "ollama", "npy", "manifest", "sentinel")
+TARGETS = ("safetensors", "index", "config", "mlx_config", "gguf", "ollama", "npy", "manifest", "sentinel",
+           "side_files", "tier_files")
+SIDE_FILES = ("config.json", "generation_config.json")  # the npy-dir's side files its loads parse
+TIER_FILES = ("squish_weights.safetensors", "squish_4bit/model.safetensors", "squish_4bit/config.json",
+              "finalized/layers.0.attention.k.weight.npy", "finalized/token_embedding.weight.npy")
 
 
 # ---------------------------------------------------------------------------------------------- the workspace
@@ -127,6 +131,15 @@ class Workspace:
             self.dir = shutil.copytree(self.base.built, root / "store")
             self.file = self.dir / "manifest.json"
             seeds.append(self.file.read_bytes())
+        elif target in ("side_files", "tier_files"):
+            from squishlike.npydir import NpyDir
+
+            self.dir = shutil.copytree(self.base.built, root / "store")
+            self.store = NpyDir(self.dir)
+            self.files = SIDE_FILES if target == "side_files" else TIER_FILES
+            self.originals = {rel: (self.dir / rel).read_bytes() if (self.dir / rel).exists() else None
+                              for rel in self.files}
+            seeds += [bytes([i]) + (raw or b"{}") for i, raw in enumerate(self.originals.values())]
         elif target == "sentinel":
             from squishlike.npydir import NpyDir
 
@@ -303,6 +316,29 @@ def make_target(target: str, ws: Workspace):
                 store.dequantize(name)
                 store.quantized(name)
             store.config()
+    elif target in ("side_files", "tier_files"):
+        from squishlike.config import ModelConfig, load_config
+
+        def body(data: bytes) -> None:
+            # one file of a built npy-dir replaced (its size kept where a sentinel records it, so the tier still
+            # counts as ready and only the content checks stand between the bytes and a load)
+            if not data:
+                return
+            rel = ws.files[data[0] % len(ws.files)]
+            path, original = ws.dir / rel, ws.originals[rel]
+            content = data[1:]
+            if target == "tier_files" and original is not None:
+                content = content[:len(original)].ljust(len(original), b" ")
+            path.write_bytes(content)
+            try:
+                if target == "side_files":
+                    ModelConfig.from_dict(load_config(ws.dir), ws.dir / "config.json")
+                for tier in ORDER:
+                    if tier.ready(ws.store)[0] is not None:
+                        weights = tier.load(ws.store).weights
+                        mx.eval(list(weights.values()))
+            finally:
+                path.write_bytes(original) if original is not None else path.unlink(missing_ok=True)
     elif target == "sentinel":
         def body(data: bytes) -> None:
             ws.file.write_bytes(data)

@@ -12,7 +12,7 @@ PY=${PY:-python}
 RUNS=${RUNS:-1000000}
 SECONDS_PER_TARGET=${SECONDS_PER_TARGET:-3600}
 OUT=${OUT:-/tmp/squishlike-fuzz-out}
-TARGETS=${TARGETS:-"safetensors index config mlx_config gguf ollama npy manifest sentinel kernels"}
+TARGETS=${TARGETS:-"safetensors index config mlx_config gguf ollama npy manifest sentinel side_files tier_files kernels"}
 mkdir -p "$OUT"
 status=0
 printf '%-12s %12s %9s %9s  %s\n' target executions seconds exec/s result

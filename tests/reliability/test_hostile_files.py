@@ -1,20 +1,28 @@
 """Hostile input: every crafted file of tests/support/hostile_corpus.py gets a typed error (squishlike.errors)
-that names the file, and nothing in any of them is executed (no pickle, no model code, no tokenizer code)."""
+that names the file, and nothing in any of them is executed (no pickle, no model code, no tokenizer code).
+
+Each case runs in its own process (forked by the harness's fork server, tests/support/crash_harness.py) with a
+time limit and a memory limit, through every entry point: open_weights, inspect, verify, the case's own action
+and load. So a crash, a hang or an allocation far past the data's size fails the case instead of the test run.
+Whatever an entry point does with a hostile file, it either raises a squishlike.errors type or gives the right
+answer (a load of a hostile npy-dir that succeeds, by rebuilding a damaged cache, gives the clean weights); and
+where nothing succeeded, nothing on disk changed.
+"""
 
 from __future__ import annotations
 
-import signal
+import json
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
+from support.crash_harness import ForkServer, tree_state
 from support.hostile_corpus import CASES, MARKER, build_base, fill
 
 import squishlike
-from squishlike.errors import SquishError, TierNotReadyError
-from squishlike.npydir import NpyDir
-from squishlike.provider import WeightProvider
-from squishlike import tiers
+
+TIME_LIMIT = 60  # seconds for the five entry points of one case
+MEMORY_LIMIT = 1 << 30  # bytes beyond what the forked process holds: ~100x the tiny models' data
+ENTRY_POINTS = ("open", "inspect", "verify")
 
 
 @pytest.fixture(scope="module")
@@ -22,72 +30,111 @@ def base(tmp_path_factory, tokenizer_dir):
     return build_base(tmp_path_factory.mktemp("hostile-base"), tokenizer_dir)
 
 
-def act(action: str, target: Path, scratch: Path) -> None:
-    if action == "open":
-        with WeightProvider.open(target) as provider:
-            for name in provider.names():
-                mx.eval(provider.get(name))
-            provider.write_side_files(scratch / "side")
-    elif action == "npydir":
-        store = NpyDir(target)
-        for name in store.entries:
-            store.dequantize(name)
-    elif action == "load":
-        squishlike.load(target)
-    elif action.startswith("sentinel:"):
-        squishlike.load(target, tier=action.split(":", 1)[1])
-    else:
-        raise ValueError(action)
+@pytest.fixture(scope="module")
+def outcomes(base, tmp_path_factory):
+    """case name -> (target, its directory, lstat state before, the child's status, each entry point's outcome),
+    the cases run two at a time."""
+    root = tmp_path_factory.mktemp("hostile")
+    prepared, jobs = {}, []
+    for case in CASES:
+        d = root / case.name
+        d.mkdir()
+        target = case.build(base, d)
+        actions = [*ENTRY_POINTS, *([case.action] if case.action not in (*ENTRY_POINTS, "load") else []), "load"]
+        prepared[case.name] = (target, d, tree_state(d))
+        jobs.append({"op": "hostile", "path": str(target), "scratch": str(root / ".scratch" / case.name),
+                     "actions": actions, "result": str(root / f".{case.name}.json"), "kill_after": TIME_LIMIT,
+                     "memory_limit": MEMORY_LIMIT})
+    results = {}
+    with ForkServer() as server:
+        for i in range(0, len(jobs), 2):
+            for job, status in zip(jobs[i:i + 2], server.parallel(jobs[i:i + 2])):
+                name = Path(job["result"]).name[1:-5]
+                result = Path(job["result"])
+                results[name] = (*prepared[name], status, json.loads(result.read_text()) if result.exists() else {})
+    return results
 
 
 def test_the_corpus_is_big_enough():
-    assert len(CASES) >= 40 and len({c.name for c in CASES}) == len(CASES)
-
-
-@pytest.fixture
-def no_hang():
-    """A hostile file must not make squishlike block forever (a FIFO, an endless read): fail after 60 s."""
-    def alarm(*_):
-        raise TimeoutError("squishlike hung on a hostile file")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    assert len(CASES) >= 180 and len({c.name for c in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_hostile_file_gets_a_typed_error_naming_it(case, base, tmp_path, no_hang):
-    target = case.build(base, tmp_path)
-    must_name = fill(case.names, target, tmp_path, base)
-    with pytest.raises(SquishError) as error:
-        act(case.action, target, tmp_path)
-    assert isinstance(error.value, case.expect), f"{type(error.value).__name__}: {error.value}"
-    assert must_name in str(error.value), str(error.value)
-    assert not list(tmp_path.rglob(MARKER)), "a hostile file executed code"
+def test_hostile_file_gets_a_typed_error_naming_it(case, base, outcomes):
+    target, d, before, status, attempts = outcomes[case.name]
+    assert status["signal"] is None and not status["killed_by_us"], f"crashed or hung: {status}"
+    assert status["code"] == 0, attempts
+    own = attempts[case.action]
+    assert "error" in own, f"{case.action} accepted it: {own}"
+    assert case.expect.__name__ in own["mro"], f"{own['error']}: {own['message']}"
+    assert fill(case.names, target, d, base) in own["message"], own["message"]
+    for action, outcome in attempts.items():
+        if "error" in outcome:
+            assert "SquishError" in outcome["mro"], f"{action}: untyped {outcome['error']}: {outcome['message']}"
+    assert not list(d.rglob(MARKER)), "a hostile file executed code"
+    load = attempts["load"]
     if case.action.startswith("sentinel:"):
-        # Never trusted: the default load ignores (or rebuilds) the tier and returns the clean weights; it reaches
-        # (and warns about) a lying tier when it is the first of this device's order.
-        from support.crash_harness import load_in_process
-
-        reached = tiers.target(NpyDir(target)).name == case.action.split(":", 1)[1]
-        with pytest.warns(UserWarning, match="damaged") if "lies" in case.name and reached else _nothing():
-            _, digest = load_in_process(target)
-        assert digest == base.weights_digest
+        # A cache tier is never trusted: the default load ignores (or rebuilds) it and returns the clean weights.
+        assert load.get("value") == base.weights_digest, load
+    elif "value" in load and (d / "model" / "manifest.json").exists():
+        assert load["value"] == base.weights_digest, "a hostile npy-dir loaded with different weights"
+    if all("error" in o for o in attempts.values()):
+        assert tree_state(d) == before, "a failed load changed the files on disk"
 
 
-class _nothing:
-    def __enter__(self):
-        return self
+def test_a_damaged_store_never_becomes_a_cache(base, tmp_path):
+    """Two bytes overwritten in a stored part: the first load fails naming it, and builds no cache tier."""
+    from squishlike.errors import IntegrityError
+    from squishlike.npydir import NpyDir
+    from squishlike.tiers import ORDER
 
-    def __exit__(self, *exc):
-        return False
+    case = next(c for c in CASES if c.name == "store-two-bytes-overwritten")
+    target = case.build(base, tmp_path)
+    for _ in range(2):
+        with pytest.raises(IntegrityError, match="__"):
+            squishlike.load(target)
+    store = NpyDir(target)
+    assert not any(tier.ready(store)[0] for tier in ORDER)
+
+
+def test_verify_hashes_a_cache_tier_and_rebuilds_it(base, tmp_path, monkeypatch):
+    """A cache tier damaged in place (same size, so its sentinel still says ready) loads silently by default;
+    with verify=True, or SQUISHLIKE_VERIFY=1, its checksum is checked, and it is rebuilt from the store."""
+    import shutil
+
+    from support.crash_harness import load_in_process
+
+    for how in ("argument", "environment"):
+        target = shutil.copytree(base.built, tmp_path / how)
+        weights = target / "squish_4bit" / "model.safetensors"
+        raw = bytearray(weights.read_bytes())
+        raw[-3] ^= 0x40
+        weights.write_bytes(bytes(raw))
+        with pytest.warns(UserWarning, match="model.safetensors"):
+            if how == "argument":
+                model, _ = squishlike.load(target, verify=True)
+            else:
+                monkeypatch.setenv("SQUISHLIKE_VERIFY", "1")
+                model, _ = squishlike.load(target)
+                monkeypatch.delenv("SQUISHLIKE_VERIFY")
+        assert load_in_process(target) == ("int4", base.weights_digest)
+
+
+def test_a_hugging_face_cache_snapshot_loads_through_its_links(base, tmp_path):
+    """snapshots/<rev>/ -> blobs/ inside one repo is the one place a link is followed."""
+    from support.crash_harness import weights_digest
+    from support.hostile_corpus import _hf_cache
+
+    model, _ = squishlike.load(_hf_cache(base, tmp_path))
+    reference, _ = squishlike.load(base.hf)
+    assert weights_digest(model) == weights_digest(reference)
 
 
 def test_trust_remote_code_is_off_unless_asked(base, tmp_path):
     """mlx_lm's own loader honours model_file only with trust_remote_code=True; so do we, and by default the
     custom code neither runs nor is imported, on any path (HF directory, npy-dir)."""
+    from squishlike.errors import SquishError
+
     for case in (c for c in CASES if "custom" in c.name):
         d = tmp_path / case.name
         d.mkdir()

@@ -76,10 +76,57 @@ def _run_op(job: dict) -> Any:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             rc = main(job["argv"])
         return {"rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue()}
+    if op == "hostile":
+        return {action: _attempt(action, Path(job["path"]), Path(job["scratch"])) for action in job["actions"]}
     if op == "sleep":  # for testing the harness itself
         time.sleep(job["seconds"])
         return {"ok": True}
     raise ValueError(f"unknown op {op!r}")
+
+
+def act(action: str, target: Path, scratch: Path) -> Any:
+    """Point one entry point of squishlike at `target`: "open" (open_weights, every tensor, the side files),
+    "npydir" (NpyDir, every tensor dequantized), "load", "sentinel:<tier>" (load forcing that tier), "inspect",
+    "verify". Returns the weights digest for a load, verify's problems, else None."""
+    import mlx.core as mx
+
+    import squishlike
+    from squishlike.info import inspect_model, verify
+    from squishlike.npydir import NpyDir
+
+    if action == "open":
+        with squishlike.open_weights(target) as provider:
+            for name in provider.names():
+                mx.eval(provider.get(name))
+            provider.write_side_files(scratch / "side")
+    elif action == "npydir":
+        store = NpyDir(target)
+        for name in store.entries:
+            store.dequantize(name)
+    elif action == "load":
+        return weights_digest(squishlike.load(target)[0])
+    elif action.startswith("sentinel:"):
+        return weights_digest(squishlike.load(target, tier=action.split(":", 1)[1])[0])
+    elif action == "inspect":
+        inspect_model(target)
+    elif action == "verify":
+        return verify(target)
+    else:
+        raise ValueError(action)
+    return None
+
+
+def _attempt(action: str, target: Path, scratch: Path) -> dict:
+    """act(), its outcome as JSON: {"value": ...} or the exception's type, base classes and message."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = act(action, target, scratch)
+        return {"value": value, "warnings": [str(w.message) for w in caught]}
+    except Exception as e:  # noqa: BLE001 - the caller judges every kind
+        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
 
 
 def _child(job: dict) -> None:
@@ -95,6 +142,13 @@ def _child(job: dict) -> None:
 
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so write() fails with EFBIG instead of killing us
             resource.setrlimit(resource.RLIMIT_FSIZE, (job["rlimit_fsize"], job["rlimit_fsize"]))
+        if job.get("memory_limit") is not None:  # this much memory beyond what the process holds already
+            import resource
+
+            with open("/proc/self/status") as f:
+                held = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+            limit = held + job["memory_limit"]
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
         if "start_at" in job:  # a barrier for concurrent jobs: all begin at the same instant
             time.sleep(max(0.0, job["start_at"] - time.time()))
         result = _run_op(job)
@@ -262,6 +316,13 @@ def tree_digest(root: Path, skip=(".squishlike.lock",)) -> dict[str, str]:
     return out
 
 
+def tree_state(root: Path) -> dict[str, tuple]:
+    """relative path -> (type and mode, size, mtime) of everything under `root`, from lstat only: never opens a
+    file, so a FIFO or a terabyte sparse file costs nothing."""
+    return {str(p.relative_to(root)): (st.st_mode, st.st_size, st.st_mtime_ns)
+            for p in sorted(Path(root).rglob("*")) if p.name != ".squishlike.lock" for st in [p.lstat()]}
+
+
 def weights_digest(model) -> str:
     """One sha256 over every weight of an mlx_lm model, dense (quantized layers dequantized), in name order.
 
@@ -312,7 +373,7 @@ def serving_tier(out: Path) -> str:
 
 def lying_sentinels(out: Path) -> list[str]:
     """Every sentinel that counts as ready but whose files do not match their recorded size and checksum."""
-    from squishlike.io.sentinel import verify_files
+    from squishlike.io.checksum import verify_files
     from squishlike.npydir import NpyDir
     from squishlike.tiers import ORDER
 

@@ -24,6 +24,7 @@ import numpy as np
 from squishlike.errors import (
     FormatError,
     IntegrityError,
+    SquishError,
     TierNotReadyError,
     UnknownFormatError,
     UnsupportedArchitectureError,
@@ -321,7 +322,7 @@ CASES: list[Case] = [
     Case("manifest-shape-negative", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
         first_entry(m), shape=[-64, -64])), FormatError, names="{target}", action="load"),
     Case("manifest-shape-beyond-its-files", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _huge(m)),
-         FormatError, names="token_embedding.weight__pt.npy", action="load"),
+         FormatError, names="manifest.json", action="load"),
     Case("manifest-tensor-not-in-the-architecture", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: m[
         "tensors"].update({"layers.0.evil.weight": {**m["tensors"]["output_norm.weight"],
                                                     "key": "layers.0.evil.weight"}})),
@@ -427,6 +428,399 @@ CASES: list[Case] = [
          names="{target}", action="load"),
 ]
 
+
+# Files squishlike itself wrote (cache tiers, stored parts) edited so that every size the sentinels and manifest
+# record still holds: only the structural checks, or the checksums, can tell.
+MLX_TIER = "squish_weights.safetensors"
+INT4_TIER = "squish_4bit/model.safetensors"
+Q = "model.layers.0.self_attn.q_proj.weight"
+O = "model.layers.0.self_attn.o_proj.weight"
+K = "model.layers.0.self_attn.k_proj.weight"
+FIN = "finalized/layers.0.attention.k.weight.npy"
+
+
+def _tier_case(name: str, rel: str, edit, tier: str, expect: type = FormatError, names: str | None = None) -> Case:
+    return Case(name, lambda b, d: _tier_edit(b, d, rel, edit), expect, names=names or "{target}/" + rel,
+                action=f"sentinel:{tier}")
+
+
+def _swap(a: str, b: str):
+    def edit(h: dict) -> None:
+        h[a]["data_offsets"], h[b]["data_offsets"] = h[b]["data_offsets"], h[a]["data_offsets"]
+    return edit
+
+
+def _field(name: str, key: str, value):
+    return lambda h: h[name].__setitem__(key, value)
+
+
+CASES += [
+    # --- a cache tier's safetensors file (a forced load refuses it naming the file; the default load rebuilds it)
+    _tier_case("tier-mlx-offsets-overlap", MLX_TIER, _field(O, "data_offsets", [0, 16384]), "mlx"),
+    _tier_case("tier-mlx-names-swapped", MLX_TIER, _swap(Q, O), "mlx"),
+    _tier_case("tier-mlx-dtype-relabelled", MLX_TIER, _field(Q, "dtype", "I32"), "mlx"),
+    _tier_case("tier-mlx-shape-transposed", MLX_TIER, _field(K, "shape", [64, 32]), "mlx"),
+    _tier_case("tier-mlx-tensor-renamed", MLX_TIER, lambda h: h.__setitem__("model.evil.weight", h.pop(Q)), "mlx"),
+    _tier_case("tier-mlx-name-twice", MLX_TIER, b"duplicate", "mlx"),
+    _tier_case("tier-mlx-header-length-beyond-file", MLX_TIER, b"length", "mlx"),
+    _tier_case("tier-mlx-header-not-json", MLX_TIER, b"garbage", "mlx"),
+    _tier_case("tier-int4-scales-and-biases-swapped", INT4_TIER, _swap(
+        "model.layers.0.self_attn.q_proj.scales", "model.layers.0.self_attn.q_proj.biases"), "int4"),
+    _tier_case("tier-int4-scales-relabelled-bf16", INT4_TIER, _field(
+        "model.layers.0.self_attn.q_proj.scales", "dtype", "BF16"), "int4"),
+    _tier_case("tier-int4-words-relabelled-signed", INT4_TIER, _field(Q, "dtype", "I32"), "int4"),
+    _tier_case("tier-int4-offsets-overlap", INT4_TIER, _field(
+        "model.layers.0.self_attn.q_proj.scales", "data_offsets", [0, 128]), "int4"),
+    Case("tier-mlx-file-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d, True), lambda t: t / MLX_TIER),
+         TierNotReadyError, names=".squish_ready", action="sentinel:mlx"),
+    Case("tier-int4-config-quantization-group-size-a-float", lambda b, d: _tier_json(
+        b, d, "squish_4bit/config.json", lambda c: c["quantization"].update(group_size=32.0)), FormatError,
+         names="squish_4bit/config.json", action="sentinel:int4"),
+    Case("tier-int4-config-claims-2e31-layers", lambda b, d: _tier_json(
+        b, d, "squish_4bit/config.json", lambda c: c.update(num_hidden_layers=2**31)), FormatError,
+         names="squish_4bit/config.json", action="sentinel:int4"),
+    Case("npydir-config-claims-2e31-layers", lambda b, d: _tier_json(
+        b, d, "config.json", lambda c: c.update(num_hidden_layers=2**31)), FormatError,
+         names="{target}", action="load"),
+    # --- finalized/: one .npy per tensor
+    _tier_case("finalized-fortran-order-flipped", FIN, lambda h: h.replace("False", "True "), "finalized"),
+    _tier_case("finalized-byte-order-flipped", FIN, lambda h: h.replace("<f4", ">f4"), "finalized"),
+    _tier_case("finalized-dtype-relabelled", FIN, lambda h: h.replace("<f4", "<i4"), "finalized"),
+    _tier_case("finalized-shape-transposed", FIN, lambda h: h.replace("(32, 64)", "(64, 32)"), "finalized"),
+    _tier_case("finalized-object-dtype", FIN, lambda h: h.replace("'<f4'", "'|O' "), "finalized"),
+    _tier_case("finalized-shape-huge", FIN, lambda h: h.replace("(32, 64)", "(2**40,)"), "finalized"),
+    Case("finalized-part-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d, True), lambda t: t / FIN),
+         TierNotReadyError, names="finalized/.ready", action="sentinel:finalized"),
+    # --- the store's parts, their records in the manifest kept true (only what they hold is hostile)
+    Case("npy-scale-nan", lambda b, d: _part_values(b, d, "s4", np.nan), FormatError, names="{part:s4}",
+         action="npydir"),
+    Case("npy-scale-inf-on-load", lambda b, d: _part_values(b, d, "s4", np.inf), FormatError, names="{part:s4}",
+         action="load"),
+    Case("npy-offset-inf", lambda b, d: _part_values(b, d, "z4", -np.inf), FormatError, names="{part:z4}",
+         action="npydir"),
+    Case("npy-scale-byte-order-flipped", lambda b, d: _part_header(b, d, "s4", lambda h: h.replace("'<f", "'>f")),
+         FormatError, names="{part:s4}", action="npydir"),
+    Case("npy-codes-fortran-order", lambda b, d: _part_header(b, d, "q4", lambda h: h.replace("False", "True ")),
+         FormatError, names="{part}", action="load"),
+    Case("npy-trailing-bytes", lambda b, d: _part_bytes(b, d, "q4", lambda raw: raw + b"\0" * 64), FormatError,
+         names="{part}", action="npydir"),
+    Case("npy-passthrough-header-claims-1e12-elements", lambda b, d: _sparse_part(b, d), FormatError,
+         names="token_embedding.weight__pt.npy", action="load"),
+    Case("npy-passthrough-claims-1e12-elements-everywhere", lambda b, d: _sparse_part(b, d, manifest_too=True),
+         FormatError, names="manifest.json", action="load"),
+    Case("store-two-bytes-overwritten", lambda b, d: _overwrite(npy_copy(b, d), part), IntegrityError,
+         names="{part}", action="load"),
+    Case("store-parts-swapped", lambda b, d: _swap_parts(npy_copy(b, d)), IntegrityError,
+         names="layers.0.attention.k.weight__q4.npy", action="load"),
+    Case("store-side-file-damaged", lambda b, d: _overwrite(npy_copy(b, d), lambda t: t / "tokenizer.json"),
+         IntegrityError, names="tokenizer.json", action="load"),
+    Case("store-part-is-a-device", lambda b, d: _device(npy_copy(b, d), part), FormatError, names="{part}",
+         action="load"),
+    # --- the manifest's fields, each of the wrong JSON type
+    *(Case(f"manifest-{what}", lambda b, d, fn=fn: manifest_edit(npy_copy(b, d), fn), FormatError,
+           names="manifest.json", action="npydir") for what, fn in [
+        ("policy-a-string", lambda m: _set(m, policy="all")),
+        ("policy-tiers-not-names", lambda m: m["policy"].update(tiers=[1, 2])),
+        ("source-a-list", lambda m: _set(m, source=["hf", "x"])),
+        ("clip-search-a-string", lambda m: _set(m, clip_search="yes")),
+        ("side-file-size-a-string", lambda m: m["side_files"]["config.json"].update(size="12")),
+        ("shape-has-a-float", lambda m: _set(first_entry(m), shape=[float(x) for x in first_entry(m)["shape"]])),
+        ("group-size-a-float", lambda m: _set(first_entry(m), group_size=32.0)),
+        ("int3-gate-a-list", lambda m: _set(m, int3_gate=["passed"])),
+        ("model-type-a-number", lambda m: _set(m, model_type=7)),
+        ("tensors-a-list", lambda m: _set(m, tensors=list(m["tensors"]))),
+        ("entry-without-scheme", lambda m: first_entry(m).pop("scheme")),
+        ("file-record-sha-a-number", lambda m: first_entry(m)["files"]["q4"].update(sha256=12)),
+        ("runtime-dtype-a-list", lambda m: _set(m, runtime_dtype=["float32"])),
+        ("format-version-a-string", lambda m: _set(m, format_version="1")),
+    ]),
+    Case("manifest-claims-a-5gb-tensor", lambda b, d: manifest_edit(npy_copy(b, d), _five_gb), FormatError,
+         names="manifest.json", action="load"),
+    Case("manifest-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d), lambda t: t / "manifest.json"), FormatError,
+         names="manifest.json", action="npydir"),
+    # --- config.json and generation_config.json of an HF directory
+    Case("config-missing", lambda b, d: _unlink(hf_with(b, d), "config.json"), SquishError, names="{target}"),
+    Case("config-empty", lambda b, d: hf_with(b, d, config_raw=b""), FormatError, names="config.json"),
+    Case("config-truncated", lambda b, d: hf_with(b, d, config_raw=json.dumps(hf_config(b)).encode()[:40]),
+         FormatError, names="config.json"),
+    Case("config-claims-2e31-layers", lambda b, d: hf_with(b, d, config={**hf_config(b), "num_hidden_layers": 2**31}),
+         FormatError, names="{target}", action="load"),
+    Case("config-norm-eps-a-string", lambda b, d: hf_with(b, d, config={**hf_config(b), "rms_norm_eps": "tiny"}),
+         FormatError, names="{target}"),
+    Case("config-rope-theta-a-list", lambda b, d: hf_with(b, d, config={**hf_config(b), "rope_theta": [1e4]}),
+         FormatError, names="{target}"),
+    Case("config-tie-embeddings-a-string", lambda b, d: hf_with(b, d, config={
+        **hf_config(b), "tie_word_embeddings": "no"}), FormatError, names="{target}"),
+    Case("config-head-dim-a-float", lambda b, d: hf_with(b, d, config={**hf_config(b), "head_dim": 16.5}),
+         FormatError, names="{target}"),
+    Case("config-is-a-directory", lambda b, d: _replace_with_dir(hf_with(b, d), "config.json"), SquishError,
+         names="{target}"),
+    Case("config-links-to-a-device", lambda b, d: _link(hf_with(b, d), "config.json", "/dev/zero"), FormatError,
+         names="config.json"),
+    Case("config-links-out-of-the-directory", lambda b, d: _link_out(hf_with(b, d), "config.json"), FormatError,
+         names="config.json"),
+    Case("generation-config-eos-an-object", lambda b, d: _side(hf_with(b, d), "generation_config.json",
+                                                               b'{"eos_token_id": {"id": 2}}'), FormatError,
+         names="generation_config.json", action="load"),
+    Case("generation-config-a-list", lambda b, d: _side(hf_with(b, d), "generation_config.json", b"[2]"),
+         FormatError, names="generation_config.json", action="load"),
+    Case("generation-config-is-a-fifo", lambda b, d: _fifo(hf_with(b, d), lambda t: t / "generation_config.json"),
+         FormatError, names="generation_config.json", action="load"),
+    Case("tokenizer-is-a-fifo", lambda b, d: _fifo(hf_with(b, d), lambda t: t / "tokenizer.json"), FormatError,
+         names="tokenizer.json"),
+    Case("st-weights-are-a-fifo", lambda b, d: _fifo(hf_with(b, d), lambda t: t / "model.safetensors"), FormatError,
+         names="model.safetensors"),
+    Case("st-weights-link-out-of-the-directory", lambda b, d: _link_out(hf_with(b, d), "model.safetensors"),
+         FormatError, names="model.safetensors"),
+    Case("st-index-is-a-fifo", lambda b, d: _fifo(hf_with(b, d), lambda t: t / "model.safetensors.index.json"),
+         FormatError, names="model.safetensors.index.json"),
+    Case("hf-cache-snapshot-links-into-another-repo", lambda b, d: _hf_cache(b, d, other_repo=True), FormatError,
+         names="model.safetensors"),
+    # --- MLX quantized directories
+    Case("mlx-quantization-group-size-a-float", lambda b, d: _mlx_config(b, d, {"group_size": 32.0}), FormatError,
+         names="config.json"),
+    Case("mlx-per-layer-override-does-not-match", lambda b, d: _mlx_config(b, d, {
+        "model.layers.0.self_attn.q_proj": {"group_size": 64, "bits": 4}}), FormatError, names="{target}"),
+    Case("mlx-per-layer-override-bits-a-string", lambda b, d: _mlx_config(b, d, {
+        "model.layers.0.self_attn.q_proj": {"group_size": 32, "bits": "4"}}), FormatError, names="{target}"),
+    # --- GGUF
+    Case("gguf-tensor-data-misaligned", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[("token_embd.weight", [8, 4], 0, 4)], data=np.arange(64, dtype=np.float32).tobytes())),
+         FormatError),
+    Case("gguf-tensor-data-overlaps", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[EMBD, ("output_norm.weight", [8], 0, 32)])), FormatError),
+    Case("gguf-five-dimensions", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        tensors=[("token_embd.weight", [2, 2, 2, 2, 2], 0, 0)])), FormatError),
+    Case("gguf-arrays-nested-deep", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        raw_kv=b"".join(_gstr(k) + _u32(t) + _gval(t, v) for k, t, v in LLAMA_KV) + _gstr("x") + _u32(G_ARRAY)
+        + (_u32(G_ARRAY) + _u64(1)) * 5000 + _u32(G_U32) + _u64(1) + _u32(7), n_kv=len(LLAMA_KV) + 1)),
+         FormatError),
+    Case("gguf-alignment-zero", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        kvs=[*LLAMA_KV, ("general.alignment", G_U32, 0)])), FormatError),
+    Case("gguf-claims-2e31-layers", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        kvs=[LLAMA_KV[0], ("llama.block_count", G_U32, 2**31 - 1), *LLAMA_KV[2:]])), FormatError, action="load"),
+    Case("gguf-block-count-a-string", lambda b, d: _write(d / "model.gguf", gguf_raw(
+        kvs=[LLAMA_KV[0], ("llama.block_count", G_STRING, "1"), *LLAMA_KV[2:]])), FormatError, action="load"),
+    Case("gguf-is-a-fifo", lambda b, d: _fifo(_write(d / "model.gguf", gguf_raw()).parent, lambda t: t / "model.gguf")
+         / "model.gguf", UnknownFormatError),
+    # --- Ollama
+    Case("ollama-config-claims-2e31-layers", lambda b, d: _ollama_config(b, d, lambda c: c.update(
+        num_hidden_layers=2**31)), FormatError, action="load"),
+    Case("ollama-config-layer-not-json", lambda b, d: _ollama_config(b, d, lambda c: b'{"model_type": '),
+         FormatError, names="{config_blob}"),
+    Case("ollama-config-layer-a-list", lambda b, d: _ollama_config(b, d, lambda c: b"[1, 2]"), FormatError,
+         names="{config_blob}"),
+    Case("ollama-blob-is-a-fifo", lambda b, d: ollama_edit(b, d, lambda root, m: _fifo(
+        root, lambda r: ollama_blob(r, tensor_layer(m)))), FormatError),
+    Case("ollama-blob-links-out-of-the-store", lambda b, d: ollama_edit(b, d, lambda root, m: _blob_link_out(
+        root, tensor_layer(m), d)), FormatError, names="{blob}"),
+    Case("ollama-layer-is-a-number", lambda b, d: ollama_edit(b, d, lambda root, m: m["layers"].append(5)),
+         FormatError),
+    Case("ollama-layer-size-a-string", lambda b, d: ollama_edit(b, d, lambda root, m: _set(
+        tensor_layer(m), size=str(tensor_layer(m)["size"]))), FormatError),
+]
+
+
+def _tier_edit(base: Base, d: Path, rel: str, edit) -> Path:
+    """Edit the header of a tier file in place, keeping the file's size (so its sentinel still says "ready").
+    `edit`: a function of the safetensors header dict (or of the .npy header text), or one of the raw edits
+    b"duplicate", b"length", b"garbage" of a safetensors header."""
+    target = npy_copy(base, d, True)
+    path = target / rel
+    raw = bytearray(path.read_bytes())
+    if rel.endswith(".npy"):
+        length = struct.unpack_from("<H", raw, 8)[0]
+        text = edit(raw[10:10 + length].decode("latin1").rstrip("\n"))
+        raw[10:10 + length] = (text.ljust(length - 1) + "\n").encode("latin1")[:length]
+        path.write_bytes(bytes(raw))
+        return target
+    length = struct.unpack_from("<Q", raw)[0]
+    header = json.loads(raw[8:8 + length])
+    if edit == b"duplicate":  # o_proj's entry renamed q_proj (names of the same length): q_proj twice
+        raw[8:8 + length] = raw[8:8 + length].replace(f'"{O}"'.encode(), f'"{Q}"'.encode())
+        path.write_bytes(bytes(raw))
+        return target
+    if edit == b"length":
+        struct.pack_into("<Q", raw, 0, len(raw))
+        path.write_bytes(bytes(raw))
+        return target
+    elif edit == b"garbage":
+        text = "{" + "\x01" * 16
+    else:
+        edit(header)
+        text = json.dumps(header, separators=(",", ":"))
+    assert len(text) <= length, "the edited header must fit in the original's length"
+    raw[8:8 + length] = text.ljust(length).encode()
+    path.write_bytes(bytes(raw))
+    return target
+
+
+def _tier_json(base: Base, d: Path, rel: str, edit) -> Path:
+    """Edit a JSON file of a built npy-dir, keeping its size (compact JSON padded with spaces)."""
+    target = npy_copy(base, d, True)
+    path = target / rel
+    size = path.stat().st_size
+    value = json.loads(path.read_text())
+    edit(value)
+    text = json.dumps(value, separators=(",", ":"))
+    assert len(text) <= size
+    path.write_text(text.ljust(size))
+    return target
+
+
+def _rerecord(target: Path, rel: str) -> None:
+    """Make the manifest's record of `rel` true again after an edit: only the edit's content is hostile."""
+    raw = (target / rel).read_bytes()
+    record = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+
+    def edit(m: dict) -> None:
+        for entry in m["tensors"].values():
+            for suffix in entry["files"]:
+                if f"{entry['key']}__{suffix}.npy" == Path(rel).name:
+                    entry["files"][suffix] = record
+    manifest_edit(target, edit)
+
+
+def _part_values(base: Base, d: Path, suffix: str, value: float) -> Path:
+    target = npy_copy(base, d)
+    p = part(target, suffix)
+    a = np.load(p)
+    a.flat[3] = value
+    np.save(p, a, allow_pickle=False)
+    _rerecord(target, str(p.relative_to(target)))
+    return target
+
+
+def _part_header(base: Base, d: Path, suffix: str, edit) -> Path:
+    target = npy_copy(base, d)
+    p = part(target, suffix)
+    raw = bytearray(p.read_bytes())
+    length = struct.unpack_from("<H", raw, 8)[0]
+    text = edit(raw[10:10 + length].decode("latin1").rstrip("\n"))
+    raw[10:10 + length] = (text.ljust(length - 1) + "\n").encode("latin1")[:length]
+    p.write_bytes(bytes(raw))
+    _rerecord(target, str(p.relative_to(target)))
+    return target
+
+
+def _part_bytes(base: Base, d: Path, suffix: str, fn) -> Path:
+    target = npy_copy(base, d)
+    p = part(target, suffix)
+    p.write_bytes(fn(p.read_bytes()))
+    _rerecord(target, str(p.relative_to(target)))
+    return target
+
+
+def _sparse_part(base: Base, d: Path, manifest_too: bool = False) -> Path:
+    """A passthrough part whose header claims 10**12 elements, on a sparse file of that size."""
+    target = npy_copy(base, d)
+    p = target / "tensors" / "token_embedding.weight__pt.npy"
+    header = npy_header_bytes("<f4", (10**6, 10**6))
+    with open(p, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + 4 * 10**12)
+    if manifest_too:
+        def edit(m: dict) -> None:
+            entry = m["tensors"]["token_embedding.weight"]
+            entry["shape"] = [10**6, 10**6]
+            entry["files"]["pt"]["size"] = len(header) + 4 * 10**12
+        manifest_edit(target, edit)
+    return target
+
+
+def _five_gb(m: dict) -> None:
+    """A passthrough tensor claiming 5 GB, its record claiming a file that big: only the real file is small."""
+    entry = m["tensors"]["token_embedding.weight"]
+    entry["shape"] = [65536, 20480]
+    entry["files"]["pt"]["size"] = 65536 * 20480 * 4 + 128
+
+
+def _overwrite(target: Path, where) -> Path:
+    """Two bytes of a stored file overwritten: its size, and every record of it, unchanged."""
+    p = where(target)
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 2] = bytes(x ^ 0x5A for x in raw[len(raw) // 2:len(raw) // 2 + 2])
+    p.write_bytes(bytes(raw))
+    return target
+
+
+def _swap_parts(target: Path) -> Path:
+    """Two parts of the same dtype and shape (k and v of one layer) exchanged: each is a valid file for the other."""
+    k = target / "tensors" / "layers.0.attention.k.weight__q4.npy"
+    v = target / "tensors" / "layers.0.attention.v.weight__q4.npy"
+    k_raw, v_raw = k.read_bytes(), v.read_bytes()
+    k.write_bytes(v_raw)
+    v.write_bytes(k_raw)
+    return target
+
+
+def _device(target: Path, where) -> Path:
+    p = where(target)
+    p.unlink()
+    p.symlink_to("/dev/zero")
+    return target
+
+
+def _unlink(target: Path, rel: str) -> Path:
+    (target / rel).unlink()
+    return target
+
+
+def _replace_with_dir(target: Path, rel: str) -> Path:
+    (target / rel).unlink()
+    (target / rel).mkdir()
+    return target
+
+
+def _link(target: Path, rel: str, to: str) -> Path:
+    (target / rel).unlink()
+    (target / rel).symlink_to(to)
+    return target
+
+
+def _link_out(target: Path, rel: str) -> Path:
+    """`rel` replaced by a link to an identical copy outside the model directory."""
+    outside = target.parent / f"outside-{rel}"
+    shutil.move(str(target / rel), outside)
+    (target / rel).symlink_to(outside)
+    return target
+
+
+def _side(target: Path, rel: str, data: bytes) -> Path:
+    (target / rel).write_bytes(data)
+    return target
+
+
+def _hf_cache(base: Base, d: Path, other_repo: bool = False) -> Path:
+    """A Hugging Face cache: snapshots/<rev>/<file> links to ../../blobs/<hash>; with `other_repo`, the weights
+    link into another repo's blobs instead."""
+    repo = d / "hub" / "models--tiny--llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in sorted(base.hf.iterdir()):
+        blobs = (d / "hub" / "models--evil--repo" if other_repo and f.name == "model.safetensors" else repo) / "blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
+        blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def _ollama_config(base: Base, d: Path, edit) -> Path:
+    """The config.json layer rewritten (its digest and size kept true): `edit` changes the dict, or returns bytes."""
+    def fn(root: Path, m: dict) -> None:
+        layer = next(x for x in m["layers"] if x.get("name") == "config.json")
+        config = json.loads(ollama_blob(root, layer).read_bytes())
+        data = edit(config)
+        _rewrite_blob(root, layer, data if isinstance(data, bytes) else json.dumps(config).encode(), True)
+    return ollama_edit(base, d, fn)
+
+
+def _blob_link_out(root: Path, layer: dict, d: Path) -> None:
+    blob = ollama_blob(root, layer)
+    outside = d / "outside-blob"
+    shutil.move(str(blob), outside)
+    blob.symlink_to(outside)
 
 for _case in CASES:  # a damaged safetensors file inside an HF directory: the message names that file
     if _case.name.startswith("st-") and _case.names == "{target}" and _case.action == "open":
@@ -560,7 +954,7 @@ def _mlx_config(base: Base, d: Path, quantization: dict) -> Path:
 def _fifo(target: Path, where) -> Path:
     """Replace a file with a named pipe: reading it would block forever."""
     p = where(target)
-    p.unlink()
+    p.unlink(missing_ok=True)
     os.mkfifo(p)
     return target
 
@@ -625,9 +1019,16 @@ def _tokenizer_auto_map(base: Base, d: Path) -> Path:
 def fill(template: str, target: Path, d: Path, base: Base) -> str:
     """The text a case's message must contain."""
     values = {"target": str(target), "case": str(d)}
+    npy = target if target.is_dir() else target.parent
     if "{part}" in template:
-        npy = target if target.is_dir() else target.parent
         values["part"] = str(part(npy))
+    for suffix in ("s4", "z4"):
+        if f"{{part:{suffix}}}" in template:
+            template = template.replace(f"{{part:{suffix}}}", str(part(npy, suffix)))
+    if "{config_blob}" in template:
+        m = json.loads(target.read_text())
+        values["config_blob"] = str(ollama_blob(target.parents[4], next(
+            x for x in m["layers"] if x.get("name") == "config.json")))
     if "{blob}" in template:
         m = json.loads(target.read_text())
         values["blob"] = str(ollama_blob(target.parents[4], tensor_layer(m)))

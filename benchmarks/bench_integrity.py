@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""What the integrity checks cost a load: the cold path's checksums, and the warm tiers' structural checks.
+
+    python benchmarks/bench_integrity.py                 # the embedded SmolLM2-135M, INT4 store, every tier
+    python benchmarks/bench_integrity.py --model PATH    # any model squishlike reads, as the source
+
+Compresses the model once (into --workdir), then, in this one process with the files in the page cache, times
+each load with its checks and with them switched off, alternating, `--runs` times each, and prints the medians
+and their ratio:
+- cold: ColdTier.load_dense (dequantize the store into fresh buffers), with and without the store's files
+  checked against the manifest's checksums (a background thread hashes while the kernels dequantize);
+- each warm tier: its load, with and without the header checks (the tier safetensors' header against the one
+  written, each finalized .npy header against the manifest, the int4 tier's config.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+import squishlike
+from squishlike.default_model import default_model_path
+from squishlike.npydir import NpyDir
+from squishlike.tiers import BY_NAME, cold, finalized, mlx, quantized
+
+
+@contextmanager
+def checks_off():
+    """The same loads with every integrity check replaced by nothing."""
+    saved = (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical)
+    cold.check_files = mlx.check_layout = finalized.check_npy = lambda *a, **k: None
+    quantized._canonical = lambda value: ""
+    try:
+        yield
+    finally:
+        cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical = saved
+
+
+def timed(load) -> float:
+    started = time.perf_counter()
+    weights = load()
+    mx.eval(list(weights.values()))
+    seconds = time.perf_counter() - started
+    del weights
+    return seconds
+
+
+def measure(load, runs: int) -> tuple[float, float]:
+    """(median seconds with the checks, median seconds without), the two alternating run by run."""
+    load()  # one of each first: page cache and allocator warmed
+    with checks_off():
+        load()
+    on, off = [], []
+    for _ in range(runs):
+        on.append(timed(load))
+        with checks_off():
+            off.append(timed(load))
+    return statistics.median(on), statistics.median(off)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="source model (default: the embedded SmolLM2-135M GGUF)")
+    parser.add_argument("--workdir", default=None, help="where the npy-dir is written (default: a temp dir)")
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="squishlike-bench-integrity-"))
+    out = workdir / "store"
+    if not (out / "manifest.json").exists():
+        squishlike.compress(args.model or default_model_path(), out, format="int4",
+                            tiers=("int4", "mlx", "finalized"))
+    store = NpyDir(out)
+    squishlike.load(out)  # builds every tier of the policy
+    stored = sum(r.size for r in store.part_files().values())
+    print(f"{out}: {len(store.entries)} tensors, {stored / 1e6:.1f} MB stored; medians of {args.runs} runs each")
+    print(f"{'load':<12} {'checked s':>10} {'unchecked s':>12} {'ratio':>7}")
+    figures = {"cold": lambda: cold.ColdTier().load_dense(store)[0].weights}
+    for name in ("int4", "mlx", "finalized"):
+        figures[name] = lambda tier=BY_NAME[name]: tier.load(store).weights
+    for name, load in figures.items():
+        on, off = measure(load, args.runs)
+        print(f"{name:<12} {on:>10.3f} {off:>12.3f} {on / off:>6.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
