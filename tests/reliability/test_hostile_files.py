@@ -104,20 +104,27 @@ def test_verify_hashes_a_cache_tier_and_rebuilds_it(base, tmp_path, monkeypatch)
 
     from support.crash_harness import load_in_process
 
+    from squishlike import tiers
+    from squishlike.npydir import NpyDir
+
     for how in ("argument", "environment"):
         target = shutil.copytree(base.built, tmp_path / how)
-        weights = target / "squish_4bit" / "model.safetensors"
+        store = NpyDir(target)
+        served = next(t for t in tiers.ordered(tiers.ORDER) if t.ready(store)[0] is not None)
+        files = served.ready(store)[0]["files"]
+        rel = max(files, key=lambda f: files[f]["size"])
+        weights = (target / served.sentinel).parent / rel
         raw = bytearray(weights.read_bytes())
         raw[-3] ^= 0x40
         weights.write_bytes(bytes(raw))
-        with pytest.warns(UserWarning, match="model.safetensors"):
+        with pytest.warns(UserWarning, match=weights.name):
             if how == "argument":
                 model, _ = squishlike.load(target, verify=True)
             else:
                 monkeypatch.setenv("SQUISHLIKE_VERIFY", "1")
                 model, _ = squishlike.load(target)
                 monkeypatch.delenv("SQUISHLIKE_VERIFY")
-        assert load_in_process(target) == ("int4", base.weights_digest)
+        assert load_in_process(target) == (served.name, base.weights_digest)
 
 
 def test_a_hugging_face_cache_snapshot_loads_through_its_links(base, tmp_path):
