@@ -45,10 +45,12 @@ class MlxTier(Tier):
         )
 
 
-def load_safetensors(path: Path, tensors: list[Tensor], root: Path, lazy: bool = False) -> dict[str, mx.array]:
-    """mx.load(path), evaluated unless `lazy`: the same arrays, loaded in parallel into huge-page memory. The
-    header is checked first to be exactly the one written for `tensors` (check_layout)."""
-    check_layout(path, tensors, root)
+def load_safetensors(path: Path, tensors: list[Tensor] | None = None, root: Path | None = None,
+                     lazy: bool = False) -> dict[str, mx.array]:
+    """mx.load(path), evaluated unless `lazy`: the same arrays, loaded in parallel into huge-page memory. With
+    `tensors`, the header is checked first to be exactly the one written for them (check_layout)."""
+    if tensors is not None:
+        check_layout(path, tensors, root)
     from_disk = not lazy and prefetch([path]) is not None
     return load_parallel(lambda stream: mx.load(str(path), stream=stream), order=file_order(path), lazy=lazy,
                          from_disk=from_disk)
