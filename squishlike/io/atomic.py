@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import FormatError
 from .fault import fault_point
 from .files import open_regular
 from .stream import StreamWriter
