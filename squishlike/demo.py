@@ -24,7 +24,7 @@ def run_demo(workdir: Path, repeats: int = 3) -> list[dict]:
     print(f"embedded default model: {gguf}")
     baseline = workdir / "smollm2-mlx-bf16"
     if not baseline.exists():
-        export(gguf, "mlx", baseline)
+        export(gguf, "mlx", baseline, dtype="bfloat16")  # what mlx_lm.convert writes from the bf16 HF model
     rows = []
 
     def timed(label: str, path: Path, loader: str = "squishlike", tier: str | None = None, n: int = repeats):

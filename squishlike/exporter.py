@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .config import CONFIG
+from .dtypes import MX_DTYPES
 from .errors import OutputExistsError, QuantizationError
 from .formats.mlx import MODE_DEFAULTS, QuantParams
 from .formats.ollama import (
@@ -66,12 +67,15 @@ def export(
     q_mode: str = "affine",
     force: bool = False,
     ollama_name: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Export `src` (any format squishlike reads) to `dest`; returns the directory (hf, mlx) or manifest (ollama).
 
     For "ollama", `dest` is the store root and the model is named `ollama_name` ("name[:tag]", default: the
     source's file or directory name). An existing non-empty `dest` (or, for Ollama, an existing manifest of that
-    name) raises OutputExistsError unless `force`.
+    name) raises OutputExistsError unless `force`. `dtype` ("float32", "float16", "bfloat16") casts the float
+    weights and the config's torch_dtype; None keeps the dtype the source's tensors read as (float32 for a
+    dequantized GGUF).
     """
     if to not in TARGETS:
         raise ValueError(f"cannot export to {to!r}; choose one of {', '.join(TARGETS)}")
@@ -79,6 +83,8 @@ def export(
         raise QuantizationError(f"unknown quantization mode {q_mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
     if quantize and to == "hf":
         raise QuantizationError("an HF directory holds unquantized weights; -q applies to --to mlx and --to ollama")
+    if dtype is not None and dtype not in MX_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not a float dtype; choose one of {', '.join(MX_DTYPES)}")
     params = QuantParams.from_dict({"mode": q_mode, "bits": q_bits, "group_size": q_group_size}) if quantize else None
 
     dest = Path(dest)
@@ -87,10 +93,11 @@ def export(
 
     with WeightProvider.open(src) as provider:
         if to == "ollama":
-            return export_ollama(provider, dest, ollama_name or default_ollama_name(Path(src)), params, force=force)
+            name = ollama_name or default_ollama_name(Path(src))
+            return export_ollama(provider, dest, name, params, force=force, dtype=dtype)
         tmp = make_temp_dir(dest)
         try:
-            write_hf(provider, tmp) if to == "hf" else write_mlx(provider, tmp, params)
+            write_hf(provider, tmp, dtype) if to == "hf" else write_mlx(provider, tmp, params, dtype)
             publish_dir(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -103,9 +110,23 @@ def names_as(provider: WeightProvider, naming: str) -> dict[str, str]:
     return {provider.arch.name(naming, canonical): canonical for canonical in provider.names()}
 
 
-def read_as(provider: WeightProvider, naming: str, canonical: str) -> mx.array:
-    """A canonical tensor with the values the `naming` format stores (orientation, permutation, offsets)."""
-    return provider.arch.from_canonical(naming, canonical, provider.get(canonical), provider.config)
+def read_as(provider: WeightProvider, naming: str, canonical: str, dtype: str | None = None) -> mx.array:
+    """A canonical tensor with the values the `naming` format stores (orientation, permutation, offsets); a float
+    tensor cast to `dtype` when one is given."""
+    array = provider.arch.from_canonical(naming, canonical, provider.get(canonical), provider.config)
+    if dtype is not None and mx.issubdtype(array.dtype, mx.floating):
+        array = array.astype(MX_DTYPES[dtype])
+    return array
+
+
+def dense_config(provider: WeightProvider, dtype: str | None) -> dict:
+    """The config.json of the exported tensors: the source's, dequantized, with `dtype` as torch_dtype if given."""
+    return {**provider.dense_config(), **({"torch_dtype": dtype} if dtype else {})}
+
+
+def write_side_files(provider: WeightProvider, out: Path, dtype: str | None) -> None:
+    provider.write_side_files(out)
+    write_json(out / CONFIG, dense_config(provider, dtype))
 
 
 def progress(total: int, what: str) -> tqdm:
@@ -149,18 +170,18 @@ def write_shards(out: Path, names: list[str], read: Callable[[str], mx.array], m
     write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def write_hf(provider: WeightProvider, out: Path) -> None:
-    provider.write_side_files(out)
+def write_hf(provider: WeightProvider, out: Path, dtype: str | None = None) -> None:
+    write_side_files(provider, out, dtype)
     canonical = names_as(provider, "hf")
-    write_shards(out, list(canonical), lambda name: read_as(provider, "hf", canonical[name]), {"format": "pt"})
+    write_shards(out, list(canonical), lambda name: read_as(provider, "hf", canonical[name], dtype), {"format": "pt"})
 
 
-def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None) -> None:
+def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None, dtype: str | None = None) -> None:
     from mlx_lm.utils import quantize_model, save_config
 
-    config = provider.dense_config()
+    config = dense_config(provider, dtype)
     names = names_as(provider, "mlx")
-    weights = {name: read_as(provider, "mlx", canonical) for name, canonical in names.items()}
+    weights = {name: read_as(provider, "mlx", canonical, dtype) for name, canonical in names.items()}
     model = build_model(config, weights, lazy=True)
     if params is not None:
         model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode)
@@ -319,15 +340,16 @@ def write_ollama_model(
 
 
 def export_ollama(
-    provider: WeightProvider, root: Path, model_name: str, params: QuantParams | None, *, force: bool = False
+    provider: WeightProvider, root: Path, model_name: str, params: QuantParams | None, *, force: bool = False,
+    dtype: str | None = None,
 ) -> Path:
     canonical = names_as(provider, "hf")
     side = make_temp_dir(root / "side-files")
     try:
-        provider.write_side_files(side)
+        write_side_files(provider, side, dtype)
         return write_ollama_model(
-            root, model_name, list(canonical), lambda name: read_as(provider, "hf", canonical[name]), side, params,
-            force=force,
+            root, model_name, list(canonical), lambda name: read_as(provider, "hf", canonical[name], dtype), side,
+            params, force=force,
         )
     finally:
         shutil.rmtree(side, ignore_errors=True)

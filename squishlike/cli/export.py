@@ -10,6 +10,7 @@ HELP = "write a model as an HF, MLX or Ollama model"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..dtypes import MX_DTYPES
     from ..exporter import TARGETS
     from ..formats.mlx import MODE_DEFAULTS
 
@@ -22,16 +23,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-group-size", type=int, default=None, help="group size (default: 64 for affine)")
     parser.add_argument("--q-mode", default="affine", choices=list(MODE_DEFAULTS), help="quantization mode")
     parser.add_argument("--ollama-name", default=None, help="model name for --to ollama (name[:tag])")
+    parser.add_argument("--dtype", choices=list(MX_DTYPES),
+                        help="cast the float weights (default: as the source reads; a dequantized GGUF reads float32)")
     parser.add_argument("--force", action="store_true", help="replace an existing output")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+
     from ..exporter import export
 
     out = export(
         args.src, args.to, args.output,
         quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size, q_mode=args.q_mode,
-        force=args.force, ollama_name=args.ollama_name,
+        force=args.force, ollama_name=args.ollama_name, dtype=args.dtype,
     )
-    print(out)
+    if args.json:
+        print(json.dumps({"source": args.src, "to": args.to, "output": str(out.absolute()), "dtype": args.dtype,
+                          "quantize": args.quantize}, indent=1))
+    else:
+        print(out)
     return 0
