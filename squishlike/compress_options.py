@@ -20,6 +20,7 @@ ROW = "row"  # --group-size for INT8's per-row symmetric form (scheme "int8"); a
 # kernels (like mx.quantize) also take 128.
 GROUP_SIZES = {"int8": (*SCHEMES["int8g"].group_sizes, ROW), "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
 ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
+QUANTIZED_TIERS = ("int8", "int4", "int3")  # each repacks the codes of a store of its own format
 
 
 @dataclass
@@ -42,6 +43,9 @@ class CompressOptions:
     calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
     calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
 
+    def __post_init__(self) -> None:
+        self.passthrough = tuple(self.passthrough)
+
     @property
     def scheme(self) -> str:
         """The scheme linear weights are stored with: INT8 is group-wise ("int8g") unless asked per row."""
@@ -55,20 +59,34 @@ class CompressOptions:
         return 0 if self.group_size == ROW else self.group_size
 
     def validate(self) -> None:
+        """Raise ValueError naming the option (as `name=value`) whose value compress cannot use."""
         if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
+            raise ValueError(f"format={self.format!r} is not a format; choose one of {', '.join(FORMATS)}")
         if self.group_size not in GROUP_SIZES[self.format]:
             raise ValueError(
-                f"group size {self.group_size} is not valid for {self.format}; "
+                f"group_size={self.group_size} is not valid for {self.format}; "
                 f"choose one of {', '.join(map(str, GROUP_SIZES[self.format]))}"
             )
         if self.dtype is not None and self.dtype not in NP_STORAGE:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(NP_STORAGE)}")
-        if not 0 <= self.mixed_precision <= 1 or self.calibration_samples < 1:
-            raise ValueError("mixed_precision must be in [0, 1] and calibration_samples at least 1")
-        unknown = set(self.tiers or ()) - set(ALL_TIERS)
+            raise ValueError(f"dtype={self.dtype!r} is not a float dtype; choose one of {', '.join(NP_STORAGE)}")
+        if not 0 <= self.mixed_precision <= 1:
+            raise ValueError(f"mixed_precision={self.mixed_precision} is not a fraction in [0, 1]")
+        if self.calibration_samples < 1:
+            raise ValueError(f"calibration_samples={self.calibration_samples} must be at least 1")
+        if self.tiers is not None:
+            self._validate_tiers(self.tiers)
+
+    def _validate_tiers(self, tiers: tuple[str, ...]) -> None:
+        if not tiers:
+            raise ValueError(f"tiers= names no tier; name some of {', '.join(ALL_TIERS)}, or leave it out for the "
+                             "default (mlx plus the store's quantized tier)")
+        unknown = sorted(set(tiers) - set(ALL_TIERS))
         if unknown:
-            raise ValueError(f"unknown tier(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_TIERS)}")
+            raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")
+        for tier in set(tiers) & set(QUANTIZED_TIERS):
+            if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
+                raise ValueError(f"tier {tier} is built only from a {tier} store and this one is format={self.format}; "
+                                 f"leave {tier} out of tiers= or compress with format={tier}")
 
 
 def runtime_dtype(provider: WeightProvider) -> str:

@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from collections import deque
+from dataclasses import asdict, dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from . import quant
 from .compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
-from .errors import OutputExistsError, QuantizationError
+from .errors import AccuracyGateError, OutputExistsError, QuantizationError
 from .formats import QuantizedTensor
 from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
 from .npydir.manifest import encode_key
@@ -34,6 +35,7 @@ from .io.files import read_json
 from .io.checksum import file_record
 from .io.lock import exclusive
 from .io.npy import write_npy_stream
+from .options import checks_options
 
 # A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
 ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int4": 0.25, "int3": 0.45}
@@ -42,6 +44,33 @@ QUANTIZED_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
 
 
+@dataclass
+class CompressReport:
+    """What one compress run wrote: the CLI's result line and its --json."""
+
+    path: Path
+    source: str
+    source_dtype: str  # the dtype of most of the source's bytes: "bfloat16", "Q4_1", ...
+    format: str
+    tiers: tuple[str, ...]
+    tensors: int
+    quantized: int
+    source_bytes: int
+    store_bytes: int
+    seconds: float
+
+    def summary(self) -> str:
+        before, after = self.source_bytes, max(self.store_bytes, 1)
+        relation = (f"{before / after:.1f}x smaller than" if after <= before else f"{after / before:.1f}x the size of")
+        return (f"{self.path}: the {self.format.upper()} store is {relation} the {self.source_dtype} source "
+                f"({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB); {self.tensors} tensors, {self.quantized} "
+                f"quantized, in {self.seconds:.1f} s")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "path": str(self.path), "tiers": list(self.tiers)}
+
+
+@checks_options
 def compress(
     src: str | Path,
     out: str | Path,
@@ -73,9 +102,8 @@ def compress(
     - clip_search: group-wise per-group clip search (lower error, slower).
     - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
       quantized source.
-    - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3"; None: mlx plus the
-      store's
-      quantized tier.
+    - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3" (a quantized tier
+      only in a store of that format); None: mlx plus the store's quantized tier.
     - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
 
     Calibration options run the source model in float32 on the shipped calibration text:
@@ -83,13 +111,15 @@ def compress(
     - awq: activation-aware per-input-channel scaling, folded into norms; the stored form stays plain.
     - mixed_precision: keep the most sensitive tensors at more bits (INT8 in an INT4/INT3 store, exact in an INT8
       store) within this fraction of extra bytes over the quantized tensors, in [0, 1].
-    - int3_gate: INT3 only: measure the accuracy gate; the 3-bit tier is built only for a store that passes it.
+    - int3_gate: INT3 only: measure the accuracy gate; a store that fails it is not written. False skips the gate
+      (the store is written, without its 3-bit tier).
     - int3_max_ppl_increase: the gate's bound on the calibration-perplexity increase (0.08: +8 %).
     - calibration_samples: input rows per linear kept for the AWQ error search.
     - calibration_max_tokens: use only the first N calibration tokens (None: all).
 
-    Raises ValueError for an invalid option value, OutputExistsError when `out` holds something and `force` is
-    not set, DirectoryBusyError when another process compresses into `out`, and the errors of
+    Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
+    OutputExistsError when `out` holds something and `force` is not set, DirectoryBusyError when another process
+    compresses into `out`, AccuracyGateError when an INT3 store fails its gate, and the errors of
     squishlike.errors for a source that cannot be read.
     """
     opts = CompressOptions(
@@ -108,6 +138,11 @@ def compress(
         calibration_samples=calibration_samples,
         calibration_max_tokens=calibration_max_tokens,
     )
+    return compress_with_report(src, out, opts).path
+
+
+def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions) -> CompressReport:
+    """`compress` with its options as a CompressOptions; returns what was written."""
     opts.validate()
     out = Path(out).expanduser().absolute()
     _check_output(out, opts.force)
@@ -124,21 +159,29 @@ def compress(
                     opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
                 summary = _write_store(provider, tmp, opts, plan)
                 if opts.format == "int3":
-                    from .calibration import write_int3_gate
-
-                    write_int3_gate(provider, tmp, opts, plan)  # re-writes the manifest, atomically
+                    _gate_int3(provider, tmp, out, opts, plan)
                 publish_dir(tmp, out)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-    elapsed = time.perf_counter() - started
-    before, after = summary["source_bytes"], summary["store_bytes"]
-    print(
-        f"compressed {src} -> {out}: {summary['tensors']} tensors ({summary['quantized']} quantized), "
-        f"{before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({before / max(after, 1):.2f}x) in {elapsed:.1f} s",
-        file=sys.stderr,
-    )
-    return out
+        infos = provider.reader.tensors().values()
+        source_dtype = max(infos, key=lambda t: t.nbytes).dtype
+    return CompressReport(out, str(src), source_dtype, opts.format, summary["tiers"], summary["tensors"],
+                          summary["quantized"], summary["source_bytes"], summary["store_bytes"],
+                          round(time.perf_counter() - started, 1))
+
+
+def _gate_int3(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions, plan) -> None:
+    """Measure the INT3 gate on the unpublished store; a store that fails it is not written (docs/format.md §6.4)."""
+    from .calibration import write_int3_gate
+
+    gate = write_int3_gate(provider, tmp, opts, plan)  # re-writes the manifest, atomically
+    if opts.int3_gate and not gate["passed"]:
+        raise AccuracyGateError(
+            f"{out}: not written: the INT3 store fails its accuracy gate ({gate['reason']}). Options: format=int4; "
+            f"or keep the most sensitive tensors at INT8 with mixed_precision=0.1; or accept the loss by raising "
+            f"int3_max_ppl_increase={opts.int3_max_ppl_increase} explicitly"
+        )
 
 
 def _calibration_plan(provider: WeightProvider, opts: CompressOptions):
@@ -154,11 +197,11 @@ def _calibration_plan(provider: WeightProvider, opts: CompressOptions):
 def _check_output(out: Path, force: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
+    if not is_npydir(out):  # force replaces only what squishlike made; it never deletes a stranger's files
+        raise OutputExistsError(f"{out}: exists and is not a squishlike npy-dir; compress never replaces it, even "
+                                "with force=True: choose a new or empty output")
     if not force:
-        raise OutputExistsError(f"{out}: exists and is not empty; pass --force to replace it")
-    if not is_npydir(out):
-        # --force replaces only what squishlike made; it never deletes a stranger's files.
-        raise OutputExistsError(f"{out}: exists and is not a squishlike npy-dir; refusing to replace it")
+        raise OutputExistsError(f"{out}: holds an npy-dir already; pass force=True to replace it")
 
 
 def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, scale_dtype: str) -> dict:
@@ -345,6 +388,7 @@ def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, Te
     )
     write_json(tmp / MANIFEST, manifest.to_json())
     return {
+        "tiers": tuple(tiers),
         "tensors": len(entries),
         "quantized": sum(e.kind.quantized for e in entries.values()),
         "source_bytes": source_bytes,

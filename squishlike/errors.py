@@ -64,7 +64,8 @@ class IncompatibleVersionError(SquishError, RuntimeError):
 
 
 class OutputExistsError(SquishError, FileExistsError):
-    """compress/export refuses to write into an existing, non-empty output without --force."""
+    """compress/export refuses to write into an existing, non-empty output without force=True, and compress
+    never replaces a directory that is not an npy-dir."""
 
 
 class TierNotReadyError(SquishError, RuntimeError):
@@ -77,3 +78,11 @@ class DirectoryBusyError(SquishError, RuntimeError):
 
 class QuantizationError(SquishError, ValueError):
     """Input to a quantizer is unusable (NaN/inf, bad group size, shape)."""
+
+
+class AccuracyGateError(SquishError, RuntimeError):
+    """A store failed the accuracy gate its format requires (INT3, docs/format.md §6.4); it was not written."""
+
+
+class UnknownOptionError(SquishError, TypeError):
+    """A keyword argument the function does not take (a typo); the message lists the valid ones."""

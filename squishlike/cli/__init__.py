@@ -6,23 +6,38 @@ inside `run`, so that building the parser stays fast. A module that runs one of 
 `MLX_LM_TOOL` (squishlike/mlx_lm_tools.py): the flags its own parser does not know, `--help` included, reach `run`
 as `args.tool_argv`, for that tool's parser to read.
 
-Exit codes: 0 success, 1 a failure while working (disk full, corrupt data, busy directory), 2 a usage error
-(bad option, missing or unknown model, output exists, tier not ready), as argparse itself does.
+Exit codes: 0 success, 1 a failure while working (disk full, corrupt data, busy directory, a failed accuracy
+gate), 2 a usage error (bad option, missing or unknown model, output exists, tier not ready), as argparse itself
+does. Results go to stdout; progress, warnings and errors to stderr. Every error reads
+"squishlike COMMAND: error: ...", the form argparse uses; the API's messages name an option as `name=value`, which
+the CLI shows as the subcommand's flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from .. import __version__
-from ..errors import DirectoryBusyError, IntegrityError, SquishError
+from ..errors import AccuracyGateError, DirectoryBusyError, IntegrityError, SquishError
 
 SUBCOMMANDS = ("compress", "generate", "chat", "server", "inspect", "verify", "export", "eval", "bench", "demo",
                "prune")
 USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, SquishError)
-RUNTIME_ERRORS = (IntegrityError, DirectoryBusyError)
+RUNTIME_ERRORS = (IntegrityError, DirectoryBusyError, AccuracyGateError)  # before USAGE_ERRORS: some are both
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default that says something: not an unset option (None) or an off switch (False), and not
+    where the help text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        unset = action.default is None or action.default is False or action.default == ()
+        if unset or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBCOMMANDS:
         command = importlib.import_module(f"{__name__}.{name}")
         tool = getattr(command, "MLX_LM_TOOL", None)
-        command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None)
+        command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None,
+                                        formatter_class=HelpFormatter)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool)
+        flags = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}
+        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, flags=flags)
     return parser
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """An API message with its options (`name=value`, `name=True`) spelled as the subcommand's flags."""
+    for dest, flag in flags.items():
+        message = re.sub(rf"(?<![\w-]){dest}=True\b", flag, message)
+        message = re.sub(rf"(?<![\w-]){dest}=(['\"]?)([^\s'\",;)]*)\1",
+                         lambda m, flag=flag: f"{flag} {m.group(2)}" if m.group(2) else flag, message)
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,15 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         reexec_with_openblas(argv)
     try:
         return args.run(args)
-    except RUNTIME_ERRORS as e:
-        print(f"squishlike: error: {e}", file=sys.stderr)
-        return 1
-    except USAGE_ERRORS as e:
-        print(f"squishlike {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (*RUNTIME_ERRORS, *USAGE_ERRORS, OSError) as e:  # OSError: disk full, permission denied
+        print(f"squishlike {args.command}: error: {as_flags(str(e), args.flags)}", file=sys.stderr)
+        return 2 if isinstance(e, USAGE_ERRORS) and not isinstance(e, RUNTIME_ERRORS) else 1
     except KeyboardInterrupt:
-        print("squishlike: interrupted; nothing was left half-written", file=sys.stderr)
+        print(f"squishlike {args.command}: interrupted; nothing was left half-written", file=sys.stderr)
         return 130
-    except OSError as e:
-        print(f"squishlike: error: {e}", file=sys.stderr)
-        return 1

@@ -39,11 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, type=Path,
                         help="output npy-dir (must not exist or be empty)")
     parser.add_argument("--format", choices=FORMATS, default="int8", action=_Calibrates,
-                        help="scheme for linear weights (default: int8)")
+                        help="scheme for linear weights")
     parser.add_argument("--group-size", type=_group_size, default=64,
                         help="elements per scale along the input axis: 32, 64 (default) or 128 (int8, int4); "
                         "int8 also takes 'row', the per-row symmetric form")
-    parser.add_argument("--passthrough", nargs="+", default=[], metavar="PATTERN",
+    parser.add_argument("--passthrough", nargs="+", default=(), metavar="PATTERN",
                         help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
     parser.add_argument("--quantize-embeddings", action="store_true", help="quantize the embedding and lm_head too")
     parser.add_argument("--clip-search", action="store_true",
@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", type=lambda s: tuple(t for t in s.split(",") if t), metavar="LIST",
                         help=f"caches to build on first load, comma-separated from {','.join(ALL_TIERS)} "
                         "(default: mlx plus the store's quantized tier)")
-    parser.add_argument("--force", action="store_true", help="replace an existing npy-dir at OUTPUT")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing npy-dir at OUTPUT (never a directory that is not an npy-dir)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     calib = parser.add_argument_group(
         "calibration", "these run the source model in float32 on the shipped calibration text"
     )
@@ -65,29 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "
                        "the quantized tensors take (e.g. 0.1)")
     calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
-                       help="INT3 accuracy gate: the 3-bit tier is built only if calibration perplexity rises by at "
-                       "most F (default 0.08, +8%%)")
-    calib.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                       help="INT3 accuracy gate: the store is written only if calibration perplexity rises by at "
+                       "most F (a fraction: 0.08 is +8%%)")
+    calib.add_argument("--calibration-tokens", dest="calibration_max_tokens", type=int, default=None, metavar="N",
                        help="use only the first N tokens of the calibration text (default: all)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compressor import compress
+    import json
+    from dataclasses import fields
 
-    compress(
-        args.src,
-        args.output,
-        format=args.format,
-        group_size=args.group_size,
-        passthrough=tuple(args.passthrough),
-        quantize_embeddings=args.quantize_embeddings,
-        clip_search=args.clip_search,
-        dtype=args.dtype,
-        tiers=args.tiers,
-        force=args.force,
-        awq=args.awq,
-        mixed_precision=args.mixed_precision,
-        int3_max_ppl_increase=args.int3_max_ppl_increase,
-        calibration_max_tokens=args.calibration_tokens,
-    )
+    from ..compress_options import CompressOptions
+    from ..compressor import compress_with_report
+
+    opts = CompressOptions(**{f.name: getattr(args, f.name) for f in fields(CompressOptions) if hasattr(args, f.name)})
+    report = compress_with_report(args.src, args.output, opts)
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0

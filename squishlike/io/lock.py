@@ -23,14 +23,18 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def acquire(self, blocking: bool = True) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    return False
+                raise
+            if self._is_current(fd):
+                break
+            os.close(fd)  # the holder we waited for removed the file (remove()): lock the one at the path now
         self._fd = fd
         try:
             fault_point(f"lock:{self.path.parent.name}")
@@ -38,6 +42,19 @@ class DirectoryLock:
             self.release()
             raise
         return True
+
+    def _is_current(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def remove(self) -> None:
+        """Delete the lock file while still holding it, then release: no file is left behind. A process that
+        opened the old file and waits on it sees that it is gone when it gets the lock, and locks afresh."""
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+        self.release()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -55,11 +72,12 @@ class DirectoryLock:
 
 @contextlib.contextmanager
 def exclusive(directory: Path, what: str, name: str = LOCK_NAME) -> Iterator[None]:
-    """Hold the directory's lock or fail at once with DirectoryBusyError (two compress runs aimed at one OUT)."""
+    """Hold the directory's lock or fail at once with DirectoryBusyError (two compress runs aimed at one OUT).
+    The lock file is removed on the way out, interrupted or not: it lives in a directory that is not ours."""
     lock = DirectoryLock(directory, name)
     if not lock.acquire(blocking=False):
         raise DirectoryBusyError(f"{directory}: another process is {what}; try again when it has finished")
     try:
         yield
     finally:
-        lock.release()
+        lock.remove()

@@ -180,7 +180,17 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
         _cold_and_build(store, [chosen], lazy)
         if chosen.ready(store)[0] is not None:
             return chosen.load(store, lazy=lazy)
-    raise TierNotReadyError(f"{store.path / chosen.sentinel}: tier {tier!r} is not ready ({why})")
+    raise TierNotReadyError(_not_ready(store, chosen, why))
+
+
+def _not_ready(store: NpyDir, tier: Tier, why: str) -> str:
+    """Which tiers the store has, and how the one asked for would be built."""
+    ready = [t.name for t in TIERS if t.ready(store)[0] is not None]
+    if tier.wanted(store):
+        how = "it is in the store's policy: a load without tier= rebuilds it"
+    else:
+        how = tier.unavailable(store) or f"compress again with {tier.name} in tiers= and a first load builds it"
+    return f"{store.path}: tier {tier.name!r} is not ready ({why}); ready: {', '.join(ready)}; {how}"
 
 
 def _check_tier_files(store: NpyDir, tier: Tier, payload: dict) -> None:

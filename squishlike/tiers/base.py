@@ -34,7 +34,11 @@ class Tier(ABC):
 
     def wanted(self, store: NpyDir) -> bool:
         """Whether the store's cache policy asks for this tier (and the store can feed it)."""
-        return self.name in store.manifest.policy.tiers
+        return self.name in store.manifest.policy.tiers and self.unavailable(store) is None
+
+    def unavailable(self, store: NpyDir) -> str | None:
+        """Why this store can never feed this tier, whatever its policy; None when it can."""
+        return None
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
         sentinel = store.path / self.sentinel

@@ -37,8 +37,10 @@ class QuantizedTier(Tier):
     bits: int
     directory: str
 
-    def wanted(self, store: NpyDir) -> bool:
-        return super().wanted(store) and self.scheme in store.manifest.schemes
+    def unavailable(self, store: NpyDir) -> str | None:
+        if self.scheme not in store.manifest.schemes:
+            return f"only a {self.scheme} store has one: compress with format={self.scheme}"
+        return None
 
     def needs_dense(self, store: NpyDir) -> set[str]:
         """Only the tensors stored another way: those of the tier's scheme are repacked from the store's parts."""
@@ -146,8 +148,11 @@ class Int3Tier(QuantizedTier):
     paths = (directory,)
     sentinel = ".squish_3bit_ready"
 
-    def wanted(self, store: NpyDir) -> bool:
-        return super().wanted(store) and store.manifest.int3_passed
+    def unavailable(self, store: NpyDir) -> str | None:
+        if (no_codes := super().unavailable(store)) or store.manifest.int3_passed:
+            return no_codes
+        gate = store.manifest.int3_gate or {}
+        return f"the store did not pass the INT3 accuracy gate ({gate.get('reason', 'not measured')})"
 
     def sentinel_extra(self, store: NpyDir) -> dict:
         return {"int3_gate": store.manifest.int3_gate}
