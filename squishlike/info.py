@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hub import resolve
+from .errors import FormatError
+from .formats import detect_format
 from .npydir import NpyDir, is_npydir
-from .provider import WeightProvider
-from .io.checksum import verify_files
-from .io.sentinel import read_sentinel
+from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
 
 
 def inspect_model(path: str | Path) -> dict:
     """Format, config, tensor table; for an npy-dir also each tier's state and size, and the quality figures."""
-    path = resolve(path)
+    path = locate(path)
     with WeightProvider.open(path) as provider:
         report = {
             "path": str(path),
@@ -46,14 +45,20 @@ def inspect_model(path: str | Path) -> dict:
 
 
 def verify(path: str | Path) -> list[str]:
-    """Re-read every file of the store and of each ready tier against its checksum. [] means all is well."""
-    store = NpyDir(resolve(path))
-    problems = verify_files(store.path, store.file_records())
-    for tier in ORDER:
-        sentinel = store.path / tier.sentinel
-        payload, why = read_sentinel(sentinel, store.fingerprint)
-        if payload is not None:
-            problems += [f"tier {tier.name}: {p}" for p in verify_files(sentinel.parent, payload["files"])]
-        elif sentinel.exists():
-            problems.append(f"tier {tier.name}: {sentinel} does not count ({why})")
-    return problems
+    """What verify_report finds wrong: [] when all is well."""
+    return verify_report(path)["problems"]
+
+
+def verify_report(path: str | Path) -> dict:
+    """Check what the model's format allows: an npy-dir's and its tiers' checksums, an Ollama model's blob
+    digests; a format without checksums (GGUF, safetensors) its structure. Returns path, format, `checked` (what
+    was checked, in words) and `problems` ([] when all is well); a file too damaged to open is itself a problem."""
+    path = locate(path)
+    reader_class = detect_format(path)
+    report = {"path": str(path), "format": reader_class.format_name, "checked": reader_class.verifies}
+    try:
+        reader = reader_class(path)
+    except FormatError as e:
+        return {**report, "problems": [str(e)]}
+    with reader:
+        return {**report, "problems": reader.verify()}

@@ -68,11 +68,7 @@ class WeightProvider:
     def open(cls, path: str | PathLike, *, ollama_root: str | PathLike | None = None) -> WeightProvider:
         """Open a model file or directory in any format squishlike reads, an Ollama `name:tag`, or a Hugging Face
         repo id (downloaded as mlx_lm.load downloads it, squishlike.hub)."""
-        path = Path(path)
-        if not path.exists():
-            # what is none of these stays a path, and open_reader names the path it could not find
-            path = _resolve_ollama(str(path), ollama_root) or resolve(str(path))
-        reader = open_reader(path)
+        reader = open_reader(locate(path, ollama_root))
         try:
             return cls(reader)
         except BaseException:  # an unsupported or incomplete model: let go of the file before saying so
@@ -228,11 +224,17 @@ class WeightProvider:
                 raise MissingTensorError(self.reader.path, r.canonical, problem)
 
 
-def _resolve_ollama(ref: str, root: str | PathLike | None) -> Path | None:
-    """The manifest of the Ollama model `ref` (`name:tag`) in the store at `root` (default: Ollama's own)."""
+def locate(path: str | PathLike, ollama_root: str | PathLike | None = None) -> Path:
+    """`path` when it exists, else the manifest of the Ollama model it names (`name:tag` in the store at
+    `ollama_root`, default Ollama's own; or `STORE/name:tag`), else the snapshot of the Hugging Face repo it names
+    (squishlike.hub). What is none of these stays a path, and open_reader names the path it could not find."""
     from .formats.ollama import OllamaReader  # imported on use, as the format registry imports readers
 
-    return OllamaReader.resolve(ref, Path(root) if root is not None else None)
+    path = Path(path)
+    if path.exists():
+        return path
+    root = Path(ollama_root) if ollama_root is not None else None
+    return OllamaReader.resolve(str(path), root) or Path(resolve(str(path)))
 
 
 open_weights = WeightProvider.open

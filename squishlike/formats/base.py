@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from ..errors import SquishError
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -57,6 +59,8 @@ class FormatReader(ABC):
 
     format_name: ClassVar[str]  # "hf", "mlx", "gguf", "ollama", "npydir"
     naming: ClassVar[str]  # which arch-table column the names use: "hf", "gguf" or "canonical"
+    # What verify() checks, for `squishlike verify` to say. A format without checksums says so.
+    verifies: ClassVar[str] = "no checksums in this format; checked the headers and that every tensor reads"
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -81,6 +85,17 @@ class FormatReader(ABC):
     def read_quantized(self, name: str) -> QuantizedTensor | None:
         """The MLX-layout quantized triple when the file stores `name` that way, else None."""
         return None
+
+    def verify(self) -> list[str]:
+        """Problems found checking what the format allows (`verifies`); [] when none. Opening the reader has
+        parsed the headers; here every tensor is read once, so one whose bytes lie outside its file is named."""
+        problems = []
+        for name in self.tensors():
+            try:
+                mx.eval(self.read(name))
+            except (SquishError, ValueError, OSError) as e:
+                problems.append(f"{self.path}: {name}: {e}")
+        return problems
 
     @abstractmethod
     def write_side_files(self, dest: Path) -> list[Path]:

@@ -9,7 +9,9 @@ import mlx.core as mx
 from ..dtypes import to_mx
 from ..npydir import NpyDir, is_npydir
 from ..io.atomic import copy_file
+from ..io.checksum import verify_files
 from ..io.files import read_json
+from ..io.sentinel import read_sentinel
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
 
@@ -18,6 +20,7 @@ class NpyDirReader(FormatReader):
 
     format_name = "npydir"
     naming = "canonical"
+    verifies = "checked the checksum of every file of the store and of each ready tier"
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -47,6 +50,19 @@ class NpyDirReader(FormatReader):
 
     def read_quantized(self, name: str) -> QuantizedTensor | None:
         return self.store.quantized(name)
+
+    def verify(self) -> list[str]:
+        from ..tiers import ORDER  # the tiers build on the store; imported on use
+
+        problems = verify_files(self.store.path, self.store.file_records())
+        for tier in ORDER:
+            sentinel = self.store.path / tier.sentinel
+            payload, why = read_sentinel(sentinel, self.store.fingerprint)
+            if payload is not None:
+                problems += [f"tier {tier.name}: {p}" for p in verify_files(sentinel.parent, payload["files"])]
+            elif sentinel.exists():
+                problems.append(f"tier {tier.name}: {sentinel} does not count ({why})")
+        return problems
 
     def write_side_files(self, dest: Path) -> list[Path]:
         Path(dest).mkdir(parents=True, exist_ok=True)

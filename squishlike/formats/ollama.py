@@ -73,14 +73,37 @@ def manifest_path(root: Path, ref: str) -> Path | None:
     return Path(root) / "manifests" / host / namespace / model / tag
 
 
+def is_store(path: Path) -> bool:
+    """An Ollama store root: manifests/ and blobs/ side by side."""
+    return (path / "manifests").is_dir() and (path / "blobs").is_dir()
+
+
+def store_models(root: Path) -> dict[str, Path]:
+    """Every model in the store at `root`: its reference ("model:tag", "namespace/model:tag" outside the library
+    namespace, "host/namespace/model:tag" on another host) -> its manifest file."""
+    models = {}
+    for manifest in sorted((root / "manifests").glob("*/*/*/*")):
+        host, namespace, model, tag = manifest.relative_to(root / "manifests").parts
+        name = [host, namespace, model]
+        if host == DEFAULT_HOST:  # the short forms manifest_path() reads back
+            name = name[2:] if namespace == DEFAULT_NAMESPACE else name[1:]
+        if manifest.is_file():
+            models[f"{'/'.join(name)}:{tag}"] = manifest
+    return models
+
+
 class OllamaReader(FormatReader):
-    """One model of an Ollama store, opened by its manifest file (resolve() turns "model:tag" into that path)."""
+    """One model of an Ollama store, opened by its manifest file or by the store root when it holds one model
+    (resolve() turns "model:tag", or "STORE/model:tag", into the manifest's path)."""
 
     format_name = "ollama"
     naming = "hf"
+    verifies = "checked the sha256 digest of every blob the manifest names"
 
     def __init__(self, path: Path):
         super().__init__(path)
+        if is_store(self.path):
+            self.path = self._only_model(self.path)
         manifest = read_json(self.path)
         layers = manifest.get("layers") if isinstance(manifest, dict) else None
         if not isinstance(layers, list) or manifest.get("schemaVersion") != 2:
@@ -104,6 +127,14 @@ class OllamaReader(FormatReader):
                 self._json_layers[name] = blob
             elif layer.get("mediaType") == TENSOR_MEDIA_TYPE:
                 self._add_tensor_blob(self._open_tensor_blob(blob))
+
+    @staticmethod
+    def _only_model(root: Path) -> Path:
+        models = store_models(root)
+        if len(models) != 1:
+            found = f"{len(models)} models ({', '.join(models)})" if models else "no model"
+            raise FormatError(root, f"this Ollama store holds {found}; name one as {root}/MODEL:TAG")
+        return next(iter(models.values()))
 
     def _blob(self, layer: dict) -> Path:
         """The blob a layer names, checked to exist with the size the manifest records."""
@@ -163,14 +194,20 @@ class OllamaReader(FormatReader):
     @classmethod
     def resolve(cls, ref: str, root: Path | None = None) -> Path | None:
         """The manifest file for "model:tag", "namespace/model:tag" or "host/namespace/model:tag" in the store at
-        `root` (default $OLLAMA_MODELS, then ~/.ollama/models); None when there is no such model."""
+        `root` (default $OLLAMA_MODELS, then ~/.ollama/models), or for "STORE/model:tag" in the store STORE;
+        None when there is no such model."""
+        if root is None and is_store(Path(ref).parent):
+            root, ref = Path(ref).parent, Path(ref).name
         path = manifest_path(store_root(root), ref)
         return path if path is not None and path.is_file() else None
 
     @classmethod
     def detect(cls, path: Path) -> bool:
-        """A manifest file with at least one tensor layer (GGUF-based Ollama models use other media types)."""
+        """A manifest file with at least one tensor layer (GGUF-based Ollama models use other media types), or
+        a store root."""
         path = Path(path)
+        if path.is_dir():
+            return is_store(path)
         if not path.is_file() or path.stat().st_size > 16 << 20:
             return False
         try:
@@ -183,6 +220,15 @@ class OllamaReader(FormatReader):
             and manifest.get("schemaVersion") == 2
             and any(isinstance(layer, dict) and layer.get("mediaType") == TENSOR_MEDIA_TYPE for layer in layers)
         )
+
+    def verify(self) -> list[str]:
+        problems = []
+        for blob in self._digests:
+            try:
+                self._verify(blob)
+            except IntegrityError as e:
+                problems.append(str(e))
+        return problems
 
     def _verify(self, blob: Path) -> None:
         """Check a blob against its digest, once per reader."""
