@@ -12,14 +12,18 @@ from .tiers import ORDER, choice, ordered, tier_status
 
 
 def inspect_model(path: str | Path) -> dict:
-    """Format, config, tensor table; for an npy-dir also each tier's state and size, and the quality figures."""
+    """Format, architecture, size, config, tensor table; for an npy-dir also each tier's state and size, the
+    tier `squishlike.load` takes now and why (`load`), and the quality figures."""
     path = locate(path)
     with WeightProvider.open(path) as provider:
+        tensors = [dict(row) for row in provider.listing()]
         report = {
             "path": str(path),
             "format": provider.format,
+            "architecture": provider.config.model_type,
+            "bytes": sum(row["nbytes"] for row in tensors),
             "config": provider.config.to_dict(),
-            "tensors": [dict(row) for row in provider.listing()],
+            "tensors": tensors,
         }
     if is_npydir(path):
         store = NpyDir(path)

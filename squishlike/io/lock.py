@@ -18,8 +18,9 @@ LOCK_NAME = ".squishlike.lock"
 class DirectoryLock:
     """An exclusive flock on DIR/.squishlike.lock. The kernel drops it when the process dies, so no stale locks."""
 
-    def __init__(self, directory: Path, name: str = LOCK_NAME):
+    def __init__(self, directory: Path, name: str = LOCK_NAME, *, leave_no_file: bool = False):
         self.path = Path(directory) / name
+        self.leave_no_file = leave_no_file  # remove the lock file on release (a lock in someone else's directory)
         self._fd: int | None = None
 
     def acquire(self, blocking: bool = True) -> bool:
@@ -34,7 +35,7 @@ class DirectoryLock:
                 raise
             if self._is_current(fd):
                 break
-            os.close(fd)  # the holder we waited for removed the file (remove()): lock the one at the path now
+            os.close(fd)  # the holder we waited for removed the file (leave_no_file): lock the one now at the path
         self._fd = fd
         try:
             fault_point(f"lock:{self.path.parent.name}")
@@ -49,15 +50,12 @@ class DirectoryLock:
         except FileNotFoundError:
             return False
 
-    def remove(self) -> None:
-        """Delete the lock file while still holding it, then release: no file is left behind. A process that
-        opened the old file and waits on it sees that it is gone when it gets the lock, and locks afresh."""
-        if self._fd is not None:
-            self.path.unlink(missing_ok=True)
-        self.release()
-
     def release(self) -> None:
         if self._fd is not None:
+            if self.leave_no_file:
+                # Deleted while still held: a process that opened it and waits on it sees, once it has the lock,
+                # that the path no longer leads to its file (_is_current) and locks afresh.
+                self.path.unlink(missing_ok=True)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -73,11 +71,12 @@ class DirectoryLock:
 @contextlib.contextmanager
 def exclusive(directory: Path, what: str, name: str = LOCK_NAME) -> Iterator[None]:
     """Hold the directory's lock or fail at once with DirectoryBusyError (two compress runs aimed at one OUT).
-    The lock file is removed on the way out, interrupted or not: it lives in a directory that is not ours."""
-    lock = DirectoryLock(directory, name)
+    The lock file is removed on the way out, interrupted or not: it lives in a directory that is not ours (a
+    killed process leaves it, and the next run into that OUT removes it)."""
+    lock = DirectoryLock(directory, name, leave_no_file=True)
     if not lock.acquire(blocking=False):
         raise DirectoryBusyError(f"{directory}: another process is {what}; try again when it has finished")
     try:
         yield
     finally:
-        lock.remove()
+        lock.release()
