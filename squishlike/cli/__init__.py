@@ -48,14 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"squishlike {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    flags: dict[str, dict[str, str]] = {}  # command -> option name -> its flag
     for name in SUBCOMMANDS:
         command = importlib.import_module(f"{__name__}.{name}")
         tool = getattr(command, "MLX_LM_TOOL", None)
         command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None,
                                         formatter_class=HelpFormatter)
         command.add_arguments(command_parser)
-        flags = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}
-        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, flags=flags)
+        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool)
+        flags[name] = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}
+    # A message may point to another command's option ("compress with format=int4"): its flags are named too.
+    every_flag = {dest: flag for own in flags.values() for dest, flag in own.items()}
+    for name, own in flags.items():
+        sub.choices[name].set_defaults(flags={**every_flag, **own})
     return parser
 
 

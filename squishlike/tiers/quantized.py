@@ -39,7 +39,7 @@ class QuantizedTier(Tier):
 
     def unavailable(self, store: NpyDir) -> str | None:
         if self.scheme not in store.manifest.schemes:
-            return f"only a {self.scheme} store has one: compress with format={self.scheme}"
+            return f"only an {self.scheme} store has one: compress with format={self.scheme}"
         return None
 
     def needs_dense(self, store: NpyDir) -> set[str]:

@@ -12,6 +12,7 @@ from support.tiny_models import assert_same_weights
 
 import squishlike
 from squishlike.io.lock import DirectoryLock
+from squishlike.errors import TierNotReadyError, UnknownOptionError
 from squishlike.npydir import NpyDir
 
 
@@ -50,8 +51,10 @@ def test_public_api_names_and_signature(tmp_path):
     for name in options:
         if name not in ("src", "out"):
             assert f"- {name}:" in squishlike.compress.__doc__, f"option {name} is not documented"
-    with pytest.raises(TypeError, match="fromat"):
+    with pytest.raises(TypeError, match="fromat") as typo:
         squishlike.compress(tmp_path / "src", tmp_path / "out", fromat="int4")
+    assert isinstance(typo.value, UnknownOptionError)
+    assert "did you mean 'format'?" in str(typo.value) and "group_size, passthrough" in str(typo.value)
     assert not (tmp_path / "out").exists()
 
 
@@ -82,14 +85,15 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    done = cli("compress", tiny_llama, "-o", out, check_rc=2)
-    assert "exists" in done.stderr and "--force" in done.stderr
-    done = cli("compress", tiny_llama, "-o", out, "--force", check_rc=2)
-    assert "not a squishlike npy-dir" in done.stderr
+    for force in ((), ("--force",)):  # from the first refusal on, a non-store is said never to be replaced
+        done = cli("compress", tiny_llama, "-o", out, *force, check_rc=2)
+        assert "not a squishlike npy-dir; compress never replaces it, even with --force" in done.stderr
     assert (out / "precious.txt").read_text() == "keep me"
 
     store = tmp_path / "store"
     cli("compress", tiny_llama, "-o", store, "--format", "int4")
+    done = cli("compress", tiny_llama, "-o", store, "--format", "int8", check_rc=2)
+    assert "holds an npy-dir already; pass --force to replace it" in done.stderr
     cli("compress", tiny_llama, "-o", store, "--format", "int8", "--force")
     assert NpyDir(store).manifest.scheme == "int8g"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
@@ -98,14 +102,25 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
 @pytest.mark.parametrize("fmt,group", [("int4", 48), ("int3", 128), ("int8", 7), ("int4", "row"), ("int8", "rows")])
 def test_bad_group_size(tiny_llama, tmp_path, fmt, group):
     done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--format", fmt, "--group-size", group, check_rc=2)
-    assert f"group size {group}" in done.stderr
+    assert done.stderr.startswith(f"squishlike compress: error: --group-size {group} is not valid for {fmt}")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=f"^group_size={group} is not valid for {fmt}; choose one of"):
+        squishlike.compress(tiny_llama, tmp_path / "out", format=fmt, group_size=group)  # the API names its own
 
 
 def test_forced_tier_not_ready(tiny_llama, tmp_path):
-    squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
-    done = cli("generate", "--model", tmp_path / "out", "--prompt", "hi", "--tier", "finalized", check_rc=2)
-    assert "tier 'finalized' is not ready" in done.stderr
+    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    done = cli("generate", "--model", out, "--prompt", "hi", "--tier", "finalized", check_rc=2)
+    assert done.stderr.startswith(f"squishlike generate: error: {out}: tier 'finalized' is not ready (absent); "
+                                  "ready: cold; compress again with finalized in --tiers and a first load builds it")
+    squishlike.load(out)  # builds the policy's tier: mlx
+    with pytest.raises(TierNotReadyError) as missing:
+        squishlike.load(out, tier="int3")
+    assert str(missing.value) == (f"{out}: tier 'int3' is not ready (absent); ready: mlx, cold; only an int3 store "
+                                  "has one: compress with format=int3")
+    squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("int4", "finalized"))
+    with pytest.raises(TierNotReadyError, match="ready: cold; a load without tier= builds it$"):
+        squishlike.load(tmp_path / "int4", tier="int4")
 
 
 def test_inspect_and_verify(tiny_llama, tmp_path):
@@ -115,8 +130,9 @@ def test_inspect_and_verify(tiny_llama, tmp_path):
     assert report["format"] == "npydir"
     assert report["tiers"]["int4"]["state"] == "ready" and report["tiers"]["finalized"]["state"] == "absent"
     assert report["quality"]["layers.0.ffn.up.weight"]["rel_error"] > 0
-    assert "tier int4" in cli("inspect", out).stdout
-    assert cli("verify", out).stdout.strip().endswith("OK")
+    assert f"load takes    {report['load']['tier']}: " in cli("inspect", out).stdout
+    assert cli("verify", out).stdout.strip() == f"{out}: OK (npydir: checked the checksum of every file of the " \
+                                                "store and of each ready tier)"
 
     victim = next((out / "tensors").glob("*__q4.npy"))
     data = bytearray(victim.read_bytes())
@@ -136,7 +152,7 @@ def test_inspect_says_which_tier_load_takes_and_why(tiny_llama, tmp_path):
     assert report["load"]["tier"] == "mlx" and "quantized matmul is slow on mlx[cpu]" in report["load"]["reason"]
     assert report["tiers"]["mlx"]["bytes"] == (out / "squish_weights.safetensors").stat().st_size
     assert report["tiers"]["int4"] == {"state": "absent", "bytes": 0, "wanted": True}
-    assert "load takes tier mlx: the first ready tier" in cli("inspect", out).stdout
+    assert "load takes    mlx: the first ready tier" in cli("inspect", out).stdout
 
 
 def test_prune_removes_caches_under_the_lock_and_keeps_the_store(tiny_llama, tmp_path):
@@ -162,7 +178,161 @@ def test_prune_removes_caches_under_the_lock_and_keeps_the_store(tiny_llama, tmp
     assert waiting.wait(timeout=60) == 0 and "removed tier mlx" in waiting.stdout.read()
     assert not (out / "squish_weights.safetensors").exists() and not (out / ".squish_ready").exists()
     assert {p: p.read_bytes() for p in (out / "tensors").iterdir()} == store_files
-    assert cli("verify", out).stdout.strip().endswith("OK")
+    assert json.loads(cli("verify", out, "--json").stdout)["problems"] == []
     again, _ = squishlike.load(out)  # cold, and the tier the order uses is built again
     assert_same_weights(reference, again)
     assert (out / ".squish_ready").exists()
+
+
+def test_compress_says_what_it_did_on_stdout_and_json(tiny_llama, tmp_path):
+    done = cli("compress", tiny_llama, "-o", tmp_path / "int4", "--format", "int4")
+    store_bytes = sum(r.size for r in NpyDir(tmp_path / "int4").part_files().values())
+    assert done.stdout.startswith(f"{tmp_path / 'int4'}: the INT4 store is ")
+    assert "x smaller than the float32 source" in done.stdout and done.stdout.count("\n") == 1
+    assert "compressed" not in done.stderr  # stderr is for progress only
+
+    # A store bigger than its source says so in words: INT8 of an MLX 4-bit model.
+    cli("export", tiny_llama, "--to", "mlx", "-o", tmp_path / "mlx4", "-q")
+    done = cli("compress", tmp_path / "mlx4", "-o", tmp_path / "int8", "--json")
+    report = json.loads(done.stdout)
+    assert report["store_bytes"] == sum(r.size for r in NpyDir(tmp_path / "int8").part_files().values())
+    assert report["store_bytes"] > report["source_bytes"] and report["path"] == str(tmp_path / "int8")
+    assert report["format"] == "int8" and report["tiers"] == ["mlx"] and report["tensors"] > report["quantized"] > 0
+    ratio = report["store_bytes"] / report["source_bytes"]
+    assert store_bytes > 0
+    done = cli("compress", tmp_path / "mlx4", "-o", tmp_path / "int8", "--force")
+    assert f"the INT8 store is {ratio:.1f}x the size of the {report['source_dtype']} source" in done.stdout
+
+
+@pytest.mark.parametrize("fmt,tiers,problem", [
+    ("int4", "int3", "tier int3 is built only from a int3 store and this one is --format int4"),
+    ("int8", "mlx,int4", "tier int4 is built only from a int4 store and this one is --format int8"),
+    ("int8", "", "--tiers names no tier"),
+    ("int8", "mlx,fast", "--tiers names unknown tier(s) fast"),
+])
+def test_impossible_tiers_are_refused(tiny_llama, tmp_path, fmt, tiers, problem):
+    done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--format", fmt, "--tiers", tiers, check_rc=2)
+    assert done.stderr.startswith("squishlike compress: error: ") and problem in done.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_no_lock_file_is_left_beside_the_output(tiny_llama, tmp_path):
+    import os
+
+    cli("compress", tiny_llama, "-o", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]
+    # Interrupted (a real SIGINT, as Ctrl-C) while it holds the lock: nothing is left, the lock file included.
+    env = {**os.environ, "SQUISHLIKE_FAULT_AT": "lock:*", "SQUISHLIKE_FAULT_ACTION": "sigint"}
+    done = subprocess.run([sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o",
+                           str(tmp_path / "again")], capture_output=True, text=True, env=env)
+    assert done.returncode == 130 and "interrupted" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]
+
+
+def test_help_shows_every_default():
+    from squishlike.cli import build_parser
+
+    parser = build_parser()
+    for name, command in parser._subparsers._group_actions[0].choices.items():
+        text = " ".join(command.format_help().split())
+        for action in command._actions:
+            if action.default not in (None, False, (), "==SUPPRESS==") and action.option_strings:
+                shown = "default" in (action.help or "") or f"(default: {action.default})" in text
+                assert shown, f"{name} {action.option_strings[-1]}: default {action.default!r} not shown"
+    assert "(default: What is the capital of France?)" in " ".join(cli("generate", "--help").stdout.split())
+
+
+def test_errors_have_one_form(tiny_llama, tmp_path):
+    for argv in (["compress", tiny_llama], ["compress", tmp_path / "nope", "-o", tmp_path / "out"],
+                 ["inspect", tmp_path / "nope"], ["verify", tmp_path / "nope"]):
+        done = cli(*argv, check_rc=2)
+        assert done.stderr.splitlines()[-1].startswith(f"squishlike {argv[0]}: error: "), done.stderr
+
+
+def test_inspect_summary_first_and_fitted_to_the_terminal(tiny_llama, tmp_path):
+    import os
+
+    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4")
+    squishlike.load(out)
+    report = json.loads(cli("inspect", out, "--json").stdout)
+    served = report["load"]["tier"]
+    for columns in (60, 120):
+        env = {**os.environ, "COLUMNS": str(columns)}
+        text = subprocess.run([sys.executable, "-m", "squishlike", "inspect", str(out)], capture_output=True,
+                              text=True, env=env, check=True).stdout
+        lines = text.splitlines()
+        assert lines[0] == str(out) and lines[1] == "  format        npydir: INT4 store, runtime float32"
+        assert lines[2].startswith("  architecture  llama: ") and lines[3].startswith("  size          ")
+        assert f"load takes    {served}: {report['load']['reason']}" in text
+        assert lines[4].split()[:4] == ["tiers", served, f"{report['tiers'][served]['bytes'] / 1e6:.1f}", "MB"]
+        table = lines[lines.index("") + 1:]
+        assert table[0].split()[:4] == ["tensor", "dtype", "shape", "size"]
+        assert len(table) == 1 + len(NpyDir(out).entries)
+        assert max(map(len, table)) <= columns
+    assert served != "cold" and report["tiers"][served]["state"] == "ready" and report["architecture"] == "llama"
+    assert report["bytes"] == sum(t["nbytes"] for t in report["tensors"]) > 0
+    assert all(t["source"] and t["canonical"] in report["quality"] for t in report["tensors"])
+
+
+def test_verify_what_each_format_allows(tiny_llama, tmp_path):
+    from support.fixtures.gguf_models import random_model, write_gguf
+
+    _, config, weights = random_model("llama")
+    gguf_file = write_gguf(tmp_path / "tiny.gguf", config, weights)
+    done = cli("verify", gguf_file)
+    assert done.stdout.strip() == f"{gguf_file}: OK (gguf: no checksums in this format; checked the headers and " \
+                                  "that every tensor reads)"
+    report = json.loads(cli("verify", tiny_llama, "--json").stdout)
+    assert report["format"] == "hf" and report["ok"] and report["problems"] == []
+    assert "no checksums" in report["checked"]
+
+    with open(gguf_file, "r+b") as f:  # a tensor's bytes cut off: the structure no longer holds
+        f.truncate(gguf_file.stat().st_size - 4096)
+    done = cli("verify", gguf_file, check_rc=1)
+    assert str(gguf_file) in done.stdout and "problem" in done.stdout
+
+    shard = tiny_llama / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    report = json.loads(cli("verify", tiny_llama, "--json", check_rc=1).stdout)
+    assert not report["ok"] and any("model.safetensors" in p for p in report["problems"])
+
+
+def test_ollama_store_read_back_by_its_path(tiny_llama, tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OLLAMA_MODELS"}
+    report = json.loads(cli("export", tiny_llama, "--to", "ollama", "-o", tmp_path / "store", "--ollama-name",
+                            "tiny:f32", "--json").stdout)
+    manifest = tmp_path / "store" / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "f32"
+    assert report["output"] == str(manifest)
+    for path in (tmp_path / "store", tmp_path / "store" / "tiny:f32", tmp_path / "store" / "tiny:f32"):
+        done = subprocess.run([sys.executable, "-m", "squishlike", "inspect", str(path), "--json"],
+                              capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["format"] == "ollama"
+    report = json.loads(cli("verify", tmp_path / "store", "--json").stdout)
+    assert report["ok"] and "sha256 digest of every blob" in report["checked"]
+    blob = max((tmp_path / "store" / "blobs").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    report = json.loads(cli("verify", tmp_path / "store", "--json", check_rc=1).stdout)
+    assert len(report["problems"]) == 1 and blob.name in report["problems"][0]
+
+    cli("export", tiny_llama, "--to", "ollama", "-o", tmp_path / "store", "--ollama-name", "other:f32")
+    done = cli("inspect", tmp_path / "store", check_rc=2)
+    assert "holds 2 models (other:f32, tiny:f32)" in done.stderr
+
+
+def test_export_dtype(tiny_llama, tmp_path):
+    import mlx.core as mx
+
+    report = json.loads(cli("export", tiny_llama, "--to", "mlx", "-o", tmp_path / "mlx", "--dtype", "bfloat16",
+                            "--json").stdout)
+    assert report["dtype"] == "bfloat16" and report["output"] == str(tmp_path / "mlx")
+    weights = mx.load(str(tmp_path / "mlx" / "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {mx.bfloat16}
+    assert json.loads((tmp_path / "mlx" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    source = mx.load(str(tiny_llama / "model.safetensors"))
+    name = next(n for n in source if n.endswith("up_proj.weight"))
+    assert mx.array_equal(weights[name], source[name].astype(mx.bfloat16)).item()
