@@ -77,9 +77,6 @@ class CompressOptions:
             self._validate_tiers(self.tiers)
 
     def _validate_tiers(self, tiers: tuple[str, ...]) -> None:
-        if not tiers:
-            raise ValueError(f"tiers= names no tier; name some of {', '.join(ALL_TIERS)}, or leave it out for the "
-                             "default (mlx plus the store's quantized tier)")
         unknown = sorted(set(tiers) - set(ALL_TIERS))
         if unknown:
             raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")

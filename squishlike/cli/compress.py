@@ -32,6 +32,14 @@ def _group_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"group size {text} is neither a number nor {ROW!r}") from None
 
 
+def tier_list(text: str) -> tuple[str, ...]:
+    """--tiers: a comma-separated list naming at least one tier (leave the flag out for the default)."""
+    tiers = tuple(t for t in text.split(",") if t)
+    if not tiers:
+        raise argparse.ArgumentTypeError("names no tier; leave --tiers out for the default")
+    return tiers
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..compress_options import ALL_TIERS, FORMATS
 
@@ -50,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="group-wise schemes: per-group clip search (lower error, slower)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="runtime dtype (default: the source's float dtype; bfloat16 for quantized sources)")
-    parser.add_argument("--tiers", type=lambda s: tuple(t for t in s.split(",") if t), metavar="LIST",
+    parser.add_argument("--tiers", type=tier_list, metavar="LIST",
                         help=f"caches to build on first load, comma-separated from {','.join(ALL_TIERS)} "
                         "(default: mlx plus the store's quantized tier)")
     parser.add_argument("--force", action="store_true",

@@ -207,7 +207,7 @@ def test_compress_says_what_it_did_on_stdout_and_json(tiny_llama, tmp_path):
 @pytest.mark.parametrize("fmt,tiers,problem", [
     ("int4", "int3", "tier int3 is built only from a int3 store and this one is --format int4"),
     ("int8", "mlx,int4", "tier int4 is built only from a int4 store and this one is --format int8"),
-    ("int8", "", "--tiers names no tier"),
+    ("int8", "", "argument --tiers: names no tier"),
     ("int8", "mlx,fast", "--tiers names unknown tier(s) fast"),
 ])
 def test_impossible_tiers_are_refused(tiny_llama, tmp_path, fmt, tiers, problem):

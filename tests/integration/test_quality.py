@@ -19,7 +19,7 @@ from support.tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logit
 
 import squishlike
 from squishlike import calibration as calibrate
-from squishlike.errors import TierNotReadyError
+from squishlike.errors import AccuracyGateError, TierNotReadyError
 from squishlike.npydir import NpyDir
 from squishlike.info import inspect_model
 from squishlike.provider import WeightProvider
@@ -156,33 +156,43 @@ def test_int3_gate_passes_with_a_loose_bound(tiny_llama, tmp_path):
 
 
 def test_int3_gate_fails_with_a_tight_bound(tiny_llama, tmp_path):
-    """The same store measured again (compress is deterministic) against a bound just under its measured increase."""
+    """The same store measured again (compress is deterministic) against a bound just under its measured increase:
+    it is not written, and nothing is left beside where it would have gone."""
     measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest.int3_gate["increase"]
-    out = _int3(tiny_llama, tmp_path / "tight", measured - 0.005)
-    gate = NpyDir(out).manifest.int3_gate
-    assert gate["increase"] == pytest.approx(measured, abs=1e-6)
-    assert gate["passed"] is False and "over the bound" in gate["reason"]
-    squishlike.load(out)  # the cold path builds what the policy wants: not the 3-bit tier
-    with pytest.raises(TierNotReadyError):
-        squishlike.load(out, tier="int3")
-    assert inspect_model(out)["store"]["int3_gate"]["reason"] == gate["reason"]
+    with pytest.raises(AccuracyGateError, match="fails its accuracy gate") as failed:
+        _int3(tiny_llama, tmp_path / "tight", measured - 0.005)
+    assert "over the bound" in str(failed.value) and "format=int4" in str(failed.value)
+    assert not (tmp_path / "tight").exists() and not list(tmp_path.glob(".tight*"))
     assert NpyDir(_int3(tiny_llama, tmp_path / "just", measured + 0.005)).manifest.int3_gate["passed"] is True
 
 
-def test_cli_flags_and_inspect_reason(tiny_llama, tmp_path):
+def test_int3_gate_skipped_writes_the_store_without_its_tier(tiny_llama, tmp_path):
+    out = squishlike.compress(tiny_llama, tmp_path / "skipped", format="int3", group_size=32, int3_gate=False)
+    gate = NpyDir(out).manifest.int3_gate
+    assert gate["passed"] is False and "skipped" in gate["reason"]
+    squishlike.load(out)  # the cold path builds what the policy wants: not the 3-bit tier
+    with pytest.raises(TierNotReadyError, match="did not pass the INT3 accuracy gate"):
+        squishlike.load(out, tier="int3")
+    assert inspect_model(out)["store"]["int3_gate"]["reason"] == gate["reason"]
+    shown = subprocess.run([sys.executable, "-m", "squishlike", "inspect", str(out)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "no 3-bit tier: the INT3 accuracy gate was skipped" in shown.stdout
+
+
+def test_cli_int3_gate_failure_exits_1_and_names_the_options(tiny_llama, tmp_path):
     measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest.int3_gate["increase"]
     out = tmp_path / "cli3"
+    bound = f"{measured - 0.005:.6f}"
     done = subprocess.run(
         [sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o", str(out), "--format", "int3",
-         "--group-size", "32", "--awq", "--int3-max-ppl-increase", f"{measured - 0.005:.6f}",
-         "--calibration-tokens", str(CALIB_TOKENS)],
+         "--group-size", "32", "--awq", "--int3-max-ppl-increase", bound, "--calibration-tokens", str(CALIB_TOKENS)],
         capture_output=True, text=True,
     )
-    assert done.returncode == 0, done.stderr
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["awq"]["applied"] and manifest["int3_gate"]["passed"] is False
-    shown = subprocess.run([sys.executable, "-m", "squishlike", "inspect", str(out)], capture_output=True, text=True)
-    assert shown.returncode == 0 and "no 3-bit tier: 3-bit perplexity on the calibration text" in shown.stdout
+    assert done.returncode == 1, done.stderr
+    error = done.stderr.splitlines()[-1]
+    assert error.startswith(f"squishlike compress: error: {out}: not written: the INT3 store fails its accuracy gate")
+    for option in ("--format int4", "--mixed-precision 0.1", f"--int3-max-ppl-increase {float(bound)}"):
+        assert option in error, error
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["first", "llama"]
 
 
 def test_awq_skipped_for_an_unsupported_family(tmp_path, tokenizer_dir):
