@@ -82,8 +82,8 @@ class CompressOptions:
             raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")
         for tier in set(tiers) & set(QUANTIZED_TIERS):
             if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
-                raise ValueError(f"tier {tier} is built only from a {tier} store and this one is format={self.format}; "
-                                 f"leave {tier} out of tiers= or compress with format={tier}")
+                raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
+                                 f"format={self.format}; leave {tier} out of tiers= or compress with format={tier}")
 
 
 def runtime_dtype(provider: WeightProvider) -> str:

@@ -82,14 +82,15 @@ def export(
     if q_mode not in MODE_DEFAULTS:
         raise QuantizationError(f"unknown quantization mode {q_mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
     if quantize and to == "hf":
-        raise QuantizationError("an HF directory holds unquantized weights; -q applies to --to mlx and --to ollama")
+        raise QuantizationError("an HF directory holds unquantized weights; quantize=True applies to to=mlx and "
+                                "to=ollama")
     if dtype is not None and dtype not in MX_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not a float dtype; choose one of {', '.join(MX_DTYPES)}")
     params = QuantParams.from_dict({"mode": q_mode, "bits": q_bits, "group_size": q_group_size}) if quantize else None
 
     dest = Path(dest)
     if to != "ollama" and dest.exists() and not force and (not dest.is_dir() or any(dest.iterdir())):
-        raise OutputExistsError(f"{dest}: exists and is not empty; pass force=True (--force) to replace it")
+        raise OutputExistsError(f"{dest}: exists and is not empty; pass force=True to replace it")
 
     with WeightProvider.open(src) as provider:
         if to == "ollama":
@@ -291,7 +292,7 @@ def write_ollama_model(
     if manifest is None:
         raise ValueError(f"{model_name!r} is not an Ollama model name ([host/][namespace/]model[:tag])")
     if manifest.exists() and not force:
-        raise OutputExistsError(f"{manifest}: model {model_name} exists; pass force=True (--force) to replace it")
+        raise OutputExistsError(f"{manifest}: model {model_name} exists; pass force=True to replace it")
     quant_type = ollama_quant_type(params) if params is not None else ""
 
     blobs: dict[str, list[str]] = {}  # manifest layer name -> tensor names in its blob
