@@ -201,7 +201,7 @@ def _check_output(out: Path, force: bool) -> None:
         raise OutputExistsError(f"{out}: exists and is not a squishlike npy-dir; compress never replaces it, even "
                                 "with force=True: choose a new or empty output")
     if not force:
-        raise OutputExistsError(f"{out}: holds an npy-dir already; pass force=True to replace it")
+        raise OutputExistsError(f"{out}: exists and holds an npy-dir; pass force=True to replace it")
 
 
 def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, scale_dtype: str) -> dict:

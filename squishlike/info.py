@@ -6,7 +6,8 @@ from pathlib import Path
 
 from .errors import FormatError
 from .formats import detect_format
-from .npydir import NpyDir, is_npydir
+from .formats.npydir import NpyDirReader
+from .npydir import MANIFEST, NpyDir, is_npydir
 from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
 
@@ -56,9 +57,10 @@ def verify(path: str | Path) -> list[str]:
 def verify_report(path: str | Path) -> dict:
     """Check what the model's format allows: an npy-dir's and its tiers' checksums, an Ollama model's blob
     digests; a format without checksums (GGUF, safetensors) its structure. Returns path, format, `checked` (what
-    was checked, in words) and `problems` ([] when all is well); a file too damaged to open is itself a problem."""
+    was checked, in words) and `problems` ([] when all is well); a file too damaged to open is itself a problem,
+    so a directory with a manifest.json is checked as an npy-dir even when that manifest is unreadable."""
     path = locate(path)
-    reader_class = detect_format(path)
+    reader_class = NpyDirReader if (path / MANIFEST).is_file() else detect_format(path)
     report = {"path": str(path), "format": reader_class.format_name, "checked": reader_class.verifies}
     try:
         reader = reader_class(path)

@@ -93,7 +93,7 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
     store = tmp_path / "store"
     cli("compress", tiny_llama, "-o", store, "--format", "int4")
     done = cli("compress", tiny_llama, "-o", store, "--format", "int8", check_rc=2)
-    assert "holds an npy-dir already; pass --force to replace it" in done.stderr
+    assert "exists and holds an npy-dir; pass --force to replace it" in done.stderr
     cli("compress", tiny_llama, "-o", store, "--format", "int8", "--force")
     assert NpyDir(store).manifest.scheme == "int8g"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
