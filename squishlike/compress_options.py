@@ -88,9 +88,13 @@ class CompressOptions:
 
 def runtime_dtype(provider: WeightProvider) -> str:
     """The dtype the model runs in: the source's own float dtype, or bfloat16 when the source is quantized."""
-    infos = provider.reader.tensors()
-    largest = max(infos.values(), key=lambda t: t.nbytes)
-    return largest.dtype if largest.dtype in NP_STORAGE else "bfloat16"
+    dtype = source_dtype(provider)
+    return dtype if dtype in NP_STORAGE else "bfloat16"
+
+
+def source_dtype(provider: WeightProvider) -> str:
+    """The dtype (or quant type: "Q4_1", "affine4", ...) of the source's largest tensor."""
+    return max(provider.reader.tensors().values(), key=lambda t: t.nbytes).dtype
 
 
 def weight_kinds(provider: WeightProvider, model: nn.Module | None = None) -> dict[str, str]:

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import quant
-from .compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
+from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
 from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from .errors import AccuracyGateError, OutputExistsError, QuantizationError
 from .formats import QuantizedTensor
@@ -50,7 +50,7 @@ class CompressReport:
 
     path: Path
     source: str
-    source_dtype: str  # the dtype of most of the source's bytes: "bfloat16", "Q4_1", ...
+    source_dtype: str  # the dtype of the source's largest tensor: "bfloat16", "Q4_1", ...
     format: str
     tiers: tuple[str, ...]
     tensors: int
@@ -164,9 +164,8 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        infos = provider.reader.tensors().values()
-        source_dtype = max(infos, key=lambda t: t.nbytes).dtype
-    return CompressReport(out, str(src), source_dtype, opts.format, summary["tiers"], summary["tensors"],
+        dtype = source_dtype(provider)
+    return CompressReport(out, str(src), dtype, opts.format, summary["tiers"], summary["tensors"],
                           summary["quantized"], summary["source_bytes"], summary["store_bytes"],
                           round(time.perf_counter() - started, 1))
 
