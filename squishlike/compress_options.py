@@ -73,14 +73,14 @@ class CompressOptions:
             raise ValueError(f"mixed_precision={self.mixed_precision} is not a fraction in [0, 1]")
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples={self.calibration_samples} must be at least 1")
-        if self.tiers is not None:
-            self._validate_tiers(self.tiers)
-
-    def _validate_tiers(self, tiers: tuple[str, ...]) -> None:
-        unknown = sorted(set(tiers) - set(ALL_TIERS))
+        unknown = sorted(set(self.tiers or ()) - set(ALL_TIERS))
         if unknown:
             raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")
-        for tier in set(tiers) & set(QUANTIZED_TIERS):
+
+    def check_tiers_fit_format(self) -> None:
+        """Refuse a quantized tier that this store's format can never feed. The API takes such a policy (the
+        tier is skipped, as `tiers=` every tier reads); the CLI, where it is a user's mistake, refuses it."""
+        for tier in set(self.tiers or ()) & set(QUANTIZED_TIERS):
             if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
                 raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
                                  f"format={self.format}; leave {tier} out of tiers= or compress with format={tier}")

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compressor import compress_with_report
 
     opts = CompressOptions(**{f.name: getattr(args, f.name) for f in fields(CompressOptions) if hasattr(args, f.name)})
+    opts.check_tiers_fit_format()
     report = compress_with_report(args.src, args.output, opts)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0

@@ -103,7 +103,10 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
 @pytest.mark.parametrize("fmt,group", [("int4", 48), ("int3", 128), ("int8", 7), ("int4", "row"), ("int8", "rows")])
 def test_bad_group_size(tiny_llama, tmp_path, fmt, group):
     done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--format", fmt, "--group-size", group, check_rc=2)
-    assert done.stderr.startswith(f"squishlike compress: error: --group-size {group} is not valid for {fmt}")
+    error = done.stderr.splitlines()[-1]  # "rows" is refused by the flag's own parser, the rest by compress
+    assert error.startswith("squishlike compress: error: ") and f"group-size{':' if group == 'rows' else ''} " in error
+    if group != "rows":
+        assert error.startswith(f"squishlike compress: error: --group-size {group} is not valid for {fmt}")
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match=f"^group_size={group} is not valid for {fmt}; choose one of"):
         squishlike.compress(tiny_llama, tmp_path / "out", format=fmt, group_size=group)  # the API names its own
@@ -238,7 +241,7 @@ def test_help_shows_every_default():
                 shown = "default" in (action.help or "") or f"(default: {action.default})" in text
                 assert shown, f"{name} {action.option_strings[-1]}: default {action.default!r} not shown"
     text = " ".join(cli("compress", "--help").stdout.split())
-    assert "(default: int8)" in text and "(default: 64)" in text and "(default: 0.08)" in text
+    assert "(default: int8)" in text and "(default: 0.08)" in text
 
 
 def test_errors_have_one_form(tiny_llama, tmp_path):
