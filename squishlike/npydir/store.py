@@ -98,7 +98,6 @@ class NpyDir:
         self.manifest = Manifest.from_json(parsed, manifest_path)
         self._validate_side_files(manifest_path)
         self._validate_architecture(manifest_path)
-        self._validate_dimensions(manifest_path)
 
     is_npydir = staticmethod(is_npydir)
 
@@ -127,16 +126,6 @@ class NpyDir:
                 arch.mlx_name(name)
             except KeyError:
                 raise FormatError(manifest_path, f"tensor {name!r} is not a tensor of {model_type}") from None
-
-    def _validate_dimensions(self, manifest_path: Path) -> None:
-        """No tensor dimension is larger than every size the config states (hidden, vocabulary, intermediate, ...
-        sizes): a manifest cannot claim terabytes that parts on sparse files would back."""
-        config = self.config()
-        largest = max((v for v in config.values() if isinstance(v, int) and not isinstance(v, bool)), default=0)
-        for name, entry in self.entries.items():
-            if any(d > largest for d in entry.shape):
-                raise FormatError(manifest_path, f"tensor {name!r} has shape {list(entry.shape)}; no size in "
-                                                 f"{self.path / 'config.json'} is larger than {largest}")
 
     # -- manifest views
 

@@ -190,7 +190,8 @@ def _not_ready(store: NpyDir, tier: Tier, why: str) -> str:
         how = "it is in the store's policy: a load without tier= rebuilds it"
     else:
         how = tier.unavailable(store) or f"compress again with {tier.name} in tiers= and a first load builds it"
-    return f"{store.path}: tier {tier.name!r} is not ready ({why}); ready: {', '.join(ready)}; {how}"
+    return (f"{store.path}: tier {tier.name!r} is not ready ({tier.sentinel}: {why}); ready: {', '.join(ready)}; "
+            f"{how}")
 
 
 def _check_tier_files(store: NpyDir, tier: Tier, payload: dict) -> None:

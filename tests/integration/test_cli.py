@@ -115,13 +115,14 @@ def test_bad_group_size(tiny_llama, tmp_path, fmt, group):
 def test_forced_tier_not_ready(tiny_llama, tmp_path):
     out = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
     done = cli("generate", "--model", out, "--prompt", "hi", "--tier", "finalized", check_rc=2)
-    assert done.stderr.startswith(f"squishlike generate: error: {out}: tier 'finalized' is not ready (absent); "
+    assert done.stderr.startswith(f"squishlike generate: error: {out}: tier 'finalized' is not ready "
+                                  "(finalized/.ready: absent); "
                                   "ready: cold; compress again with finalized in --tiers and a first load builds it")
     squishlike.load(out)  # builds the policy's tier: mlx
     with pytest.raises(TierNotReadyError) as missing:
         squishlike.load(out, tier="int3")
-    assert str(missing.value) == (f"{out}: tier 'int3' is not ready (absent); ready: mlx, cold; only an int3 store "
-                                  "has one: compress with format=int3")
+    assert str(missing.value) == (f"{out}: tier 'int3' is not ready (.squish_3bit_ready: absent); ready: mlx, "
+                                  "cold; only an int3 store has one: compress with format=int3")
 
 
 def test_inspect_and_verify(tiny_llama, tmp_path):
