@@ -98,6 +98,7 @@ class NpyDir:
         self.manifest = Manifest.from_json(parsed, manifest_path)
         self._validate_side_files(manifest_path)
         self._validate_architecture(manifest_path)
+        self._validate_dimensions(manifest_path)
 
     is_npydir = staticmethod(is_npydir)
 
@@ -126,6 +127,16 @@ class NpyDir:
                 arch.mlx_name(name)
             except KeyError:
                 raise FormatError(manifest_path, f"tensor {name!r} is not a tensor of {model_type}") from None
+
+    def _validate_dimensions(self, manifest_path: Path) -> None:
+        """No tensor dimension exceeds the sum of every size the config states (nested configs included): a derived
+        size (a fused projection, mamba's in_proj) is a sum or small product of them, while a manifest claiming
+        terabytes that parts on sparse files would back is refused before anything reads them."""
+        bound = _config_size_sum(self.config())
+        for name, entry in self.entries.items():
+            if any(d > bound for d in entry.shape):
+                raise FormatError(manifest_path, f"tensor {name!r} has shape {list(entry.shape)}; the sizes in "
+                                                 f"{self.path / 'config.json'} add up to only {bound}")
 
     # -- manifest views
 
@@ -269,3 +280,15 @@ class NpyDir:
             bits=entry.kind.bits,
         )
 
+
+def _config_size_sum(config) -> int:
+    """The sum of every integer in a config (nested tables and lists included)."""
+    if isinstance(config, bool):
+        return 0
+    if isinstance(config, int):
+        return max(config, 0)
+    if isinstance(config, dict):
+        return sum(_config_size_sum(v) for v in config.values())
+    if isinstance(config, list):
+        return sum(_config_size_sum(v) for v in config)
+    return 0

@@ -124,7 +124,7 @@ def test_unsupported_architecture_and_unknown_paths(tmp_path):
     _, config, weights = random_model("llama")
     unknown = {"backbone.embeddings.weight": weights["token_embedding.weight"]}
     write_hf(tmp_path, config.to_dict() | {"model_type": "not_an_mlx_lm_model"}, unknown)
-    with pytest.raises(UnsupportedArchitectureError, match=rf"{tmp_path}.*'not_an_mlx_lm_model'"):
+    with pytest.raises(UnsupportedArchitectureError, match=rf"{tmp_path}.*Model type not_an_mlx_lm_model not supported"):
         open_weights(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnknownFormatError):
