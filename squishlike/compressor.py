@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 import sys
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy,
 from .npydir.manifest import encode_key
 from .quant.schemes import SCHEMES, rows_cols
 from .provider import WeightProvider
-from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, write_json
+from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, sweeping_temps, write_json
 from .io.files import read_json
 from .io.checksum import file_record
 from .io.lock import exclusive
@@ -149,21 +148,18 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
     started = time.perf_counter()
     with WeightProvider.open(src) as provider:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"):
+        with (exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"),
+              sweeping_temps(out.parent, out.name)):
             _check_output(out, opts.force)  # it may have appeared while we waited
             remove_stale_temps(out.parent, out.name)  # what a killed run into OUT left (we hold its lock)
             tmp = make_temp_dir(out)
-            try:
-                plan = _calibration_plan(provider, opts)
-                if plan is not None:
-                    opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
-                summary = _write_store(provider, tmp, opts, plan)
-                if opts.format == "int3":
-                    _gate_int3(provider, tmp, out, opts, plan)
-                publish_dir(tmp, out)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            plan = _calibration_plan(provider, opts)
+            if plan is not None:
+                opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
+            summary = _write_store(provider, tmp, opts, plan)
+            if opts.format == "int3":
+                _gate_int3(provider, tmp, out, opts, plan)
+            publish_dir(tmp, out)
         dtype = source_dtype(provider)
     return CompressReport(out, str(src), dtype, opts.format, summary["tiers"], summary["tensors"],
                           summary["quantized"], summary["source_bytes"], summary["store_bytes"],

@@ -139,11 +139,9 @@ def make_temp_dir(final: Path) -> Path:
             continue
     else:
         raise FileExistsError(errno.EEXIST, "no free temporary name", str(final.parent))
-    try:
-        fault_point(f"mkdtemp:{final.name}")
-    except BaseException:  # interrupted before the caller could own it
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # The directory exists and the caller does not own it yet: an interrupt here (or anywhere before the caller's
+    # `try`) escapes every local cleanup. `sweeping_temps`, around the whole locked write, is what removes it.
+    fault_point(f"mkdtemp:{final.name}")
     return tmp
 
 
@@ -203,6 +201,19 @@ def publish_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sweeping_temps(directory: Path, name: str | None = None) -> Iterator[None]:
+    """Around a write that makes temps in `directory` while holding the lock of their names: if the block stops
+    with an exception (Ctrl-C included), remove every temp of `name` (of any name when None) before the lock is
+    let go. A KeyboardInterrupt can land between a temp's creation and its writer's `try`, where no local cleanup
+    sees it; this catches it wherever it lands."""
+    try:
+        yield
+    except BaseException:
+        remove_stale_temps(directory, name)
+        raise
 
 
 def remove_stale_temps(directory: Path, name: str | None = None) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError, TierNotReadyError
-from ..io.atomic import remove_stale_temps
+from ..io.atomic import remove_stale_temps, sweeping_temps
 from ..io.checksum import check_files
 from ..io.lock import DirectoryLock
 from ..io.sentinel import ABSENT, sentinel_says_damaged
@@ -247,7 +247,7 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
         if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
             return first.load(store, lazy=lazy)
         remove_stale_temps(store.path)
-        with build_progress(store, goals) as progress:
+        with sweeping_temps(store.path), build_progress(store, goals) as progress:
             loaded, dense = COLD.load_dense(store, only=set().union(*(t.needs_dense(store) for t in goals)))
             progress.update()
             built = build_tiers(store, dense, goals, progress)

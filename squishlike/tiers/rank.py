@@ -11,12 +11,11 @@ under a temporary name, published in one rename, under the store's directory loc
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 
 from ..formats.safetensors import Tensor, write_safetensors
-from ..io.atomic import make_temp_dir, publish_dir, remove_stale_temps
+from ..io.atomic import make_temp_dir, publish_dir, remove_stale_temps, sweeping_temps
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from .base import Loaded, Tier, mlx_names
@@ -57,14 +56,11 @@ class RankTier(Tier):
         final = store.path / DIRECTORY / self.key
         final.parent.mkdir(exist_ok=True)
         remove_stale_temps(final.parent, self.key)  # a crashed build of this key; the lock keeps out live ones
-        tmp = make_temp_dir(final)
-        try:
+        with sweeping_temps(final.parent, self.key):
+            tmp = make_temp_dir(final)
             names = mlx_names(store)
             tensors = [Tensor(names[n], store.runtime_dtype, a.shape, a) for n, a in dense.items()]
             record = write_safetensors(tmp / WEIGHTS, tensors, METADATA, atomic=False)
             write_sentinel(tmp / ".ready", manifest_fingerprint=store.fingerprint, files={WEIGHTS: record},
                            tier=self.name, layout=self.key, plan=self.plan)
             publish_dir(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
