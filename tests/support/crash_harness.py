@@ -158,9 +158,10 @@ def _child(job: dict) -> None:
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
         result = {"error": type(e).__name__, "message": str(e), "mro": [c.__name__ for c in type(e).__mro__],
                   "traceback": traceback.format_exc()[-4000:]}
-    if job.get("result"):
-        with open(job["result"], "w") as f:
+    if job.get("result"):  # atomically: a kill that lands after the op, while this is written, leaves no half file
+        with open(job["result"] + ".part", "w") as f:
             json.dump(result, f)
+        os.replace(job["result"] + ".part", job["result"])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if not (isinstance(result, dict) and "rc" in result) else int(result["rc"]))
