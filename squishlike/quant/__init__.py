@@ -17,6 +17,7 @@ import numpy as np
 
 from squishlike import rust_quant as _rq
 from squishlike.quant.reference import (
+    grouped_functions,
     int4_to_mlx,
     mlx_to_int4,
     rows_cols,
@@ -69,64 +70,28 @@ def dequantize_int8(
     return out
 
 
-def quantize_int8g(
-    w: np.ndarray,
-    *,
-    src_dtype: str | None = None,
-    group_size: int = 64,
-    scale_dtype: str = "bfloat16",
-    clip_search: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Group-wise INT8 -> (codes uint8 [r, c], scales [r, c//g], biases [r, c//g]) in scale_dtype.
-
-    Without clip search, mx.quantize(w, bits=8, group_size=group_size)'s values bit for bit (scale_dtype = w's).
-    """
-    return _quantize_affine("int8g", w, src_dtype, group_size, scale_dtype, clip_search)
+def _quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search):
+    """Allocate the packed codes and the per-group scales/biases, then let the scheme's Rust kernel fill them."""
+    src = src_dtype_of(w, src_dtype)
+    rows, cols = rows_cols(w.shape, "w")
+    groups = (rows, cols // group_size if group_size > 0 else 0)
+    packed = np.empty((rows, SCHEMES[scheme].packed_cols(cols)), SCHEMES[scheme].word)
+    scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
+    getattr(_rq, f"quantize_{scheme}")(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
+    return packed, scales, biases
 
 
-def dequantize_int8g(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
-    *,
-    group_size: int,
-    scale_dtype: str = "bfloat16",
-    out_dtype: str = "bfloat16",
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Bit-identical to mx.dequantize(packed.view("<u4"), scales, biases, bits=8) in out_dtype."""
-    out = _out(out, rows_cols(packed.shape, "packed"), out_dtype)
-    _rq.dequantize_int8g(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
-    return out
-
-
-def quantize_int4(
-    w: np.ndarray,
-    *,
-    src_dtype: str | None = None,
-    group_size: int = 64,
-    scale_dtype: str = "bfloat16",
-    clip_search: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Affine 4-bit per group -> (packed uint8 [r, c//2], scales [r, c//g], biases [r, c//g]) in scale_dtype."""
-    return _quantize_affine("int4", w, src_dtype, group_size, scale_dtype, clip_search)
-
-
-def dequantize_int4(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
-    *,
-    group_size: int,
-    scale_dtype: str = "bfloat16",
-    out_dtype: str = "bfloat16",
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Bit-identical to mx.dequantize(int4_to_mlx(packed), scales, biases, bits=4) in out_dtype."""
+def _dequantize_affine(scheme, packed, scales, biases, group_size, scale_dtype, out_dtype, out):
+    """Allocate the output (unless given), then let the scheme's Rust kernel fill it."""
     rows, words = rows_cols(packed.shape, "packed")
-    out = _out(out, (rows, SCHEMES["int4"].unpacked_cols(words)), out_dtype)
-    _rq.dequantize_int4(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+    out = _out(out, (rows, SCHEMES[scheme].unpacked_cols(words)), out_dtype)
+    getattr(_rq, f"dequantize_{scheme}")(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
     return out
+
+
+quantize_int8g, dequantize_int8g = grouped_functions("int8g", _quantize_affine, _dequantize_affine)
+quantize_int4, dequantize_int4 = grouped_functions("int4", _quantize_affine, _dequantize_affine)
+quantize_int3, dequantize_int3 = grouped_functions("int3", _quantize_affine, _dequantize_affine)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -143,46 +108,6 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     q = np.empty((rows, SCHEMES["int4"].unpacked_cols(words)), np.uint8)
     _rq.unpack_int4(packed, q)
     return q
-
-
-def quantize_int3(
-    w: np.ndarray,
-    *,
-    src_dtype: str | None = None,
-    group_size: int = 64,
-    scale_dtype: str = "bfloat16",
-    clip_search: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Affine 3-bit per group -> (packed uint32 [r, c*3//32] as mx.quantize(bits=3) packs, scales, biases)."""
-    return _quantize_affine("int3", w, src_dtype, group_size, scale_dtype, clip_search)
-
-
-def _quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search):
-    """Allocate the packed codes and the per-group scales/biases, then let the scheme's Rust kernel fill them."""
-    src = src_dtype_of(w, src_dtype)
-    rows, cols = rows_cols(w.shape, "w")
-    groups = (rows, cols // group_size if group_size > 0 else 0)
-    packed = np.empty((rows, SCHEMES[scheme].packed_cols(cols)), SCHEMES[scheme].word)
-    scales, biases = np.empty(groups, storage_dtype(scale_dtype)), np.empty(groups, storage_dtype(scale_dtype))
-    getattr(_rq, f"quantize_{scheme}")(w, src, group_size, scale_dtype, clip_search, packed, scales, biases)
-    return packed, scales, biases
-
-
-def dequantize_int3(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
-    *,
-    group_size: int,
-    scale_dtype: str = "bfloat16",
-    out_dtype: str = "bfloat16",
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Bit-identical to mx.dequantize(packed, scales, biases, bits=3) in out_dtype."""
-    rows, words = rows_cols(packed.shape, "packed")
-    out = _out(out, (rows, SCHEMES["int3"].unpacked_cols(words)), out_dtype)
-    _rq.dequantize_int3(packed, scales, biases, out, group_size, scale_dtype, out_dtype)
-    return out
 
 
 def pack_int3(q: np.ndarray) -> np.ndarray:
@@ -218,8 +143,7 @@ def dequantize(
     """The parts `quantize(scheme, ...)` made, dequantized to [rows, cols] in out_dtype."""
     if scheme == "int8":
         return dequantize_int8(*parts, out_dtype=out_dtype, out=out)
-    fn = {"int8g": dequantize_int8g, "int4": dequantize_int4, "int3": dequantize_int3}[scheme]
-    return fn(*parts, group_size=group_size, scale_dtype=scale_dtype, out_dtype=out_dtype, out=out)
+    return _dequantize_affine(scheme, *parts, group_size, scale_dtype, out_dtype, out)
 
 
 def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:

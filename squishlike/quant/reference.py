@@ -17,6 +17,7 @@ Conventions shared by every function here and in `squishlike.quant`:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -353,33 +354,6 @@ def mlx_to_int4(words: np.ndarray) -> np.ndarray:
     return _as_2d(words, "words").astype("<u4", copy=False).view(np.uint8)
 
 
-def quantize_int4(
-    w: np.ndarray,
-    *,
-    src_dtype: str | None = None,
-    group_size: int = 64,
-    scale_dtype: str = "bfloat16",
-    clip_search: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Affine 4-bit per group: s = T((max-min)/15), z = T(min), q = clip(rint((w-z)/s), 0, 15) with T = scale_dtype."""
-    q, s, z = _affine_quantize(w, src_dtype, group_size, scale_dtype, clip_search, "int4")
-    return pack_int4(q), s, z
-
-
-def dequantize_int4(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
-    *,
-    group_size: int,
-    scale_dtype: str = "bfloat16",
-    out_dtype: str = "bfloat16",
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Bit-identical to mx.dequantize(int4_to_mlx(packed), scales, biases, bits=4) cast to out_dtype."""
-    return _affine_dequantize(unpack_int4(packed), scales, biases, group_size, scale_dtype, out_dtype, out, "int4")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # INT3
 #
@@ -419,35 +393,6 @@ def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
     return q.reshape(rows, cols).astype(np.uint8)
 
 
-def quantize_int3(
-    w: np.ndarray,
-    *,
-    src_dtype: str | None = None,
-    group_size: int = 64,
-    scale_dtype: str = "bfloat16",
-    clip_search: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Affine 3-bit per group, the INT4 rules with 7 levels; packed like mx.quantize(bits=3)."""
-    q, s, z = _affine_quantize(w, src_dtype, group_size, scale_dtype, clip_search, "int3")
-    return pack_int3(q), s, z
-
-
-def dequantize_int3(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
-    *,
-    group_size: int,
-    scale_dtype: str = "bfloat16",
-    out_dtype: str = "bfloat16",
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Bit-identical to mx.dequantize(packed, scales, biases, bits=3) cast to out_dtype."""
-    packed = _as_2d(np.asarray(packed), "packed")
-    q = unpack_int3(packed, packed.shape[1] * 32 // 3)
-    return _affine_dequantize(q, scales, biases, group_size, scale_dtype, out_dtype, out, "int3")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # INT8, group-wise asymmetric
 #
@@ -455,34 +400,66 @@ def dequantize_int3(
 # words (element k at bits 8k..8k+7) they are the words mx.quantize(bits=8) writes.
 
 
-def quantize_int8g(
-    w: np.ndarray,
-    *,
-    src_dtype: str | None = None,
-    group_size: int = 64,
-    scale_dtype: str = "bfloat16",
-    clip_search: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Group-wise INT8 -> (codes uint8 [r, c], scales [r, c//g], biases [r, c//g]) in scale_dtype.
-
-    Without clip search these are the values of mx.quantize(w, bits=8, group_size=group_size) with scales and
-    biases in scale_dtype (MLX stores them in w's dtype), bit for bit.
-    """
-    return _affine_quantize(w, src_dtype, group_size, scale_dtype, clip_search, "int8g")
-
-
-def dequantize_int8g(
-    packed: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
-    *,
-    group_size: int,
-    scale_dtype: str = "bfloat16",
-    out_dtype: str = "bfloat16",
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Bit-identical to mx.dequantize(packed.view("<u4"), scales, biases, bits=8) cast to out_dtype."""
+def _int8g_codes(packed: np.ndarray) -> np.ndarray:
+    """Group-wise INT8's packed codes are its codes: one uint8 each."""
     packed = _as_2d(np.asarray(packed), "packed")
     if packed.dtype != np.uint8:
         raise TypeError(f"packed has dtype {packed.dtype}; expected uint8")
-    return _affine_dequantize(packed, scales, biases, group_size, scale_dtype, out_dtype, out, "int8g")
+    return packed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per scheme: the affine rules above, then the scheme's packing
+
+
+def grouped_functions(
+    scheme: str, quantize_affine: Callable[..., tuple], dequantize_affine: Callable[..., np.ndarray]
+) -> tuple[Callable[..., tuple], Callable[..., np.ndarray]]:
+    """`quantize_<scheme>` and `dequantize_<scheme>` of a grouped scheme, with the keyword signatures every grouped
+    scheme has in both kernel modules (the Rust wrappers and the NumPy spec), over the module's generic
+    `quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search)` and
+    `dequantize_affine(scheme, packed, scales, biases, group_size, scale_dtype, out_dtype, out)`."""
+    bits = _AFFINE[scheme][0].bit_length()  # 15 -> 4, 7 -> 3, 255 -> 8
+
+    def quantize(
+        w: np.ndarray, *, src_dtype: str | None = None, group_size: int = 64, scale_dtype: str = "bfloat16",
+        clip_search: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search)
+
+    def dequantize(
+        packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, *, group_size: int,
+        scale_dtype: str = "bfloat16", out_dtype: str = "bfloat16", out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        return dequantize_affine(scheme, packed, scales, biases, group_size, scale_dtype, out_dtype, out)
+
+    quantize.__name__ = quantize.__qualname__ = f"quantize_{scheme}"
+    quantize.__doc__ = (f"Affine {bits}-bit per group of `group_size` columns -> (packed codes [r, packed cols], "
+                        f"scales [r, c//g], biases [r, c//g]) in scale_dtype; without clip search, the values of "
+                        f"mx.quantize(w, bits={bits}, group_size=group_size) bit for bit.")
+    dequantize.__name__ = dequantize.__qualname__ = f"dequantize_{scheme}"
+    dequantize.__doc__ = (f"Bit-identical to mx.dequantize(mlx_words({scheme!r}, packed), scales, biases, "
+                          f"bits={bits}) in out_dtype; into `out` when given.")
+    return quantize, dequantize
+
+
+_PACKING = {  # scheme -> (codes [r, c] -> packed, packed -> codes)
+    "int4": (pack_int4, unpack_int4),
+    "int3": (pack_int3, lambda packed: unpack_int3(packed, packed.shape[-1] * 32 // 3)),
+    "int8g": (_int8g_codes, _int8g_codes),
+}
+
+
+def _quantize_packed(scheme, w, src_dtype, group_size, scale_dtype, clip_search):
+    q, s, z = _affine_quantize(w, src_dtype, group_size, scale_dtype, clip_search, scheme)
+    return _PACKING[scheme][0](q), s, z
+
+
+def _dequantize_packed(scheme, packed, scales, biases, group_size, scale_dtype, out_dtype, out):
+    q = _PACKING[scheme][1](packed)
+    return _affine_dequantize(q, scales, biases, group_size, scale_dtype, out_dtype, out, scheme)
+
+
+quantize_int8g, dequantize_int8g = grouped_functions("int8g", _quantize_packed, _dequantize_packed)
+quantize_int4, dequantize_int4 = grouped_functions("int4", _quantize_packed, _dequantize_packed)
+quantize_int3, dequantize_int3 = grouped_functions("int3", _quantize_packed, _dequantize_packed)
