@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.fake_hub import FakeHub
 from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
 
 
@@ -22,6 +24,13 @@ def tiny_model(request, tmp_path, tokenizer_dir) -> Path:
 @pytest.fixture
 def tiny_llama(tmp_path, tokenizer_dir) -> Path:
     return make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir)
+
+
+@pytest.fixture
+def fake_hub() -> Iterator[FakeHub]:
+    """A fake Hugging Face Hub on 127.0.0.1 (tests/support/fake_hub.py), stopped after the test."""
+    with FakeHub() as hub:
+        yield hub
 
 
 @pytest.fixture(scope="session")

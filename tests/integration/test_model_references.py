@@ -1,8 +1,9 @@
 """What a model reference can be, as for mlx_lm.load: a path, or a Hugging Face repo id found in (or fetched into)
 the local cache; and what cannot be loaded fails with an error naming the model and saying why in mlx_lm's words.
 
-The Hugging Face cache here is a fake one with the hub's real layout (models--ORG--NAME/refs/main,
-snapshots/<rev>/...) under HF_HUB_CACHE, in processes with HF_HUB_OFFLINE=1: nothing touches the network.
+The Hugging Face cache here is either a fake one with the hub's real layout (models--ORG--NAME/refs/main,
+snapshots/<rev>/...) under HF_HUB_CACHE, in processes with HF_HUB_OFFLINE=1, or one that huggingface_hub's real
+download fills from a fake Hub on 127.0.0.1 (tests/support/fake_hub.py): nothing touches the network.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.fake_hub import FakeHub
 
 import squishlike
 from squishlike.errors import UnknownFormatError, UnsupportedArchitectureError
@@ -34,12 +36,26 @@ def cache_repo(cache: Path, repo: str, files: Path) -> Path:
     return snapshot
 
 
-def offline(cache: Path, *argv: object, rc: int = 0) -> subprocess.CompletedProcess:
-    """`python ARGV` with HF_HUB_CACHE=cache and HF_HUB_OFFLINE=1."""
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env, timeout=600)
+def python(env: dict[str, str], *argv: object, rc: int = 0) -> subprocess.CompletedProcess:
+    """`python ARGV` with `env` added to this process's environment."""
+    done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
     assert done.returncode == rc, done.stderr
     return done
+
+
+def offline(cache: Path, *argv: object, rc: int = 0) -> subprocess.CompletedProcess:
+    """`python ARGV` with HF_HUB_CACHE=cache and HF_HUB_OFFLINE=1."""
+    return python({"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, *argv, rc=rc)
+
+
+def from_hub(hub: FakeHub, cache: Path, *argv: object, rc: int = 0) -> subprocess.CompletedProcess:
+    """`python ARGV` online, with `hub` as the Hugging Face Hub and HF_HUB_CACHE=cache. A subprocess, because
+    huggingface_hub reads HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE once, at import."""
+    return python({"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(cache),
+                   "HF_HOME": str(cache.parent / "hf-home"),  # no token or settings of this machine's user
+                   "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"},  # a configured proxy must not see it
+                  *argv, rc=rc)
 
 
 SAME_AS_MLX_LM = """
@@ -90,6 +106,52 @@ def test_offline_and_not_cached_says_so_and_how_to_fetch_it(tmp_path):
         assert "`huggingface-cli download tiny-org/absent`" in error and "unset HF_HUB_OFFLINE" in error
         assert "Traceback" not in error
     assert not out.exists() and list(cache.iterdir()) == []
+
+
+def test_a_repo_id_not_in_the_cache_is_downloaded_as_mlx_lm_downloads_it(fake_hub, tiny_llama, tmp_path):
+    (tiny_llama / "README.md").write_text("not a file mlx_lm's download asks for")
+    commit = fake_hub.add("test-org/tiny", tiny_llama)
+    cache = tmp_path / "hub"
+
+    loaded = from_hub(fake_hub, cache, "-c", SAME_AS_MLX_LM, "test-org/tiny")
+    assert "parameters as mlx_lm.load's" in loaded.stdout
+    snapshot = cache / "models--test-org--tiny" / "snapshots" / commit
+    fetched = sorted(f.name for f in tiny_llama.iterdir() if f.name != "README.md")
+    assert sorted(f.name for f in snapshot.iterdir()) == fetched
+    assert (cache / "models--test-org--tiny" / "refs" / "main").read_text() == commit
+    assert "GET /api/models/test-org/tiny/revision/main" in fake_hub.requests
+    for name in fetched:
+        assert f"GET /test-org/tiny/resolve/{commit}/{name}" in fake_hub.requests
+    assert not any("README.md" in request for request in fake_hub.requests)
+
+    from_hub(fake_hub, cache, "-c", "import sys, squishlike; squishlike.compress(*sys.argv[1:], format='int4')",
+             "test-org/tiny", tmp_path / "int4")
+    assert NpyDir(tmp_path / "int4").manifest.source.path == str(snapshot)
+
+    asked = len(fake_hub.requests)
+    report = json.loads(offline(cache, "-m", "squishlike", "inspect", "test-org/tiny", "--json").stdout)
+    assert report["format"] == "hf" and report["path"] == str(snapshot)
+    assert len(fake_hub.requests) == asked  # from the cache alone
+
+
+NOT_ON_THE_HUB = """
+import squishlike
+
+for repo, revision in (("test-org/tiny", "no-such-branch"), ("test-org/absent", None)):
+    try:
+        squishlike.load(repo, revision=revision)
+    except squishlike.errors.ModelNotFoundError as e:
+        print(e)
+"""
+
+
+def test_a_revision_or_repo_the_hub_does_not_have_is_named(fake_hub, tiny_llama, tmp_path):
+    fake_hub.add("test-org/tiny", tiny_llama)
+    said = from_hub(fake_hub, tmp_path / "hub", "-c", NOT_ON_THE_HUB).stdout.splitlines()
+    assert said[0] == "test-org/tiny: the Hugging Face repo test-org/tiny has no revision 'no-such-branch'"
+    assert said[1].startswith("test-org/absent: no such file or directory, and no Hugging Face repo test-org/absent")
+    assert "GET /api/models/test-org/tiny/revision/no-such-branch" in fake_hub.requests
+    assert "GET /api/models/test-org/absent/revision/main" in fake_hub.requests
 
 
 def with_config(model: Path, **changes: object) -> Path:
