@@ -53,7 +53,17 @@ def download(repo: str, revision: str | None = None) -> Path:
     at = f" at revision {revision!r}" if revision else ""
     try:
         return Path(_download(repo, revision=revision))
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as e:
+        # Newer huggingface_hub raises its subclass IncompleteSnapshotError, with the snapshot's path, when the
+        # snapshot is cached but lacks files its cached listing names (an interrupted download): not "not cached".
+        snapshot = getattr(e, "snapshot_path", None)
+        if snapshot:
+            why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+            raise ModelNotFoundError(
+                repo,
+                f"the Hugging Face repo {repo}{at} is only partly in the local cache ({snapshot} lacks some of its "
+                f"files: an interrupted download?) and {why}; complete it with `huggingface-cli download {repo}`",
+            ) from None
         if constants.HF_HUB_OFFLINE:
             raise ModelNotFoundError(
                 repo,

@@ -133,6 +133,11 @@ def test_a_repo_id_not_in_the_cache_is_downloaded_as_mlx_lm_downloads_it(fake_hu
     assert report["format"] == "hf" and report["path"] == str(snapshot)
     assert len(fake_hub.requests) == asked  # from the cache alone
 
+    (snapshot / "model.safetensors").unlink()  # as an interrupted download leaves it
+    error = offline(cache, "-m", "squishlike", "inspect", "test-org/tiny", rc=2).stderr
+    assert f"test-org/tiny: the Hugging Face repo test-org/tiny is only partly in the local cache ({snapshot}" in error
+    assert "HF_HUB_OFFLINE is set; complete it with `huggingface-cli download test-org/tiny`" in error
+
 
 NOT_ON_THE_HUB = """
 import squishlike
