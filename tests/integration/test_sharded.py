@@ -68,15 +68,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(Path(squishlike.__file__).parents[1])}
 
 
-def _run_launch(command: list[str]) -> str:
-    """`mlx.launch -n RANKS --backend ring` of `command` on 127.0.0.1; its output. Bounded in time: on a timeout
-    the whole process group is killed."""
+def _run_launch(command: list[str]) -> tuple[str, str]:
+    """`mlx.launch -n RANKS --backend ring` of `command` on 127.0.0.1; the ranks' stdout and stderr. Bounded in
+    time: on a timeout the whole process group is killed. `--` keeps mlx.launch from taking the command's flags
+    that it also has (`--verbose`)."""
     launcher = Path(sys.executable).with_name("mlx.launch")
     process = subprocess.Popen(
-        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), *command],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env())
+        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), "--",
+         *command],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
     try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
@@ -84,17 +86,17 @@ def _run_launch(command: list[str]) -> str:
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-4000:]
-    return output
+    # mlx.launch exits 0 even when a rank fails; it says so on stderr
+    assert process.returncode == 0 and "exited with code" not in stderr, stderr[-4000:]
+    return stdout, stderr
 
 
 def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> list[dict]:
     """tests/support/shard_rank.py on RANKS ranks: each rank's logits and load record."""
     out.mkdir(parents=True, exist_ok=True)
-    output = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
-                          *([str(reference)] if reference else [])])
-    # mlx.launch exits 0 even when a rank fails: every rank must have written its results
-    assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), output[-4000:]
+    _, stderr = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
+                             *([str(reference)] if reference else [])])
+    assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), stderr[-4000:]
     return [{**dict(np.load(out / f"rank{r}.npz")), "load": json.loads((out / f"rank{r}.json").read_text())[0]}
             for r in range(RANKS)]
 
@@ -184,6 +186,42 @@ def test_sharded_provider_source(tmp_path, tokenizer_dir):
         assert result["load"]["tier"] == "hf"
         assert np.array_equal(result["ours"], result["mlx_lm"])
     assert not (src / "shards").exists()
+
+
+@pytest.fixture(scope="module")
+def generate_run(tmp_path_factory, tokenizer_dir) -> tuple[list[str], Path, str]:
+    """A `squishlike generate` command line (greedy, a few tokens) on a tiny store, the store, and what one
+    process prints for it; shared by the launches below."""
+    tmp = tmp_path_factory.mktemp("generate")
+    store_path = tmp / "store"
+    squishlike.compress(make_hf_model(tmp / "src", TINY_CONFIGS["qwen2"], tokenizer_dir), store_path,
+                        format="int8", tiers=["finalized"])
+    command = [sys.executable, "-m", "squishlike", "generate", "--model", str(store_path), "--prompt",
+               "The capital of France", "--max-tokens", "6", "--temp", "0", "--verbose", "False"]
+    single = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=LAUNCH_TIMEOUT_S)
+    assert single.returncode == 0 and single.stdout.strip(), single.stderr[-4000:]
+    return command, store_path, single.stdout
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_generate_under_mlx_launch(generate_run, mode):
+    """`squishlike generate` on RANKS ranks loads each rank's share and prints, once (rank 0), the greedy text one
+    process prints."""
+    command, store_path, expected = generate_run
+    stdout, _ = _run_launch([*command, *(["--pipeline"] if mode == "pipeline" else [])])
+    assert stdout == expected
+    assert {f"{mode}-{RANKS}-{r}" for r in range(RANKS)} <= {p.name for p in (store_path / "shards").iterdir()}
+
+
+def test_generate_sharded_loader_refuses_what_a_share_cannot_take():
+    """Under mlx.launch, mlx_lm generate's adapter and activation quantization are refused, not dropped."""
+    from squishlike.cli.generate import sharded_loader
+
+    load = sharded_loader(None)
+    with pytest.raises(ValueError, match="adapters"):
+        load("model", adapter_path="adapter")
+    with pytest.raises(ValueError, match="quantize_activations"):
+        load("model", model_config={"quantize_activations": True})
 
 
 @pytest.mark.parametrize("tool", ["chat", "server"])
