@@ -178,6 +178,42 @@ def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunc
         assert np.array_equal(result["ours"], first[rank]["ours"])
 
 
+def test_inspect_and_verify_list_rank_shares(tiny_llama, tmp_path):
+    """inspect lists each layout's cached share (ready or why not, its size on disk); verify checks each share's
+    checksums as it does a tier's. The shares are built directly, as sharded_load builds them, with no launch."""
+    from squishlike.cli.inspect import summary
+    from squishlike.info import inspect_model, verify
+    from squishlike.tiers.rank import RankTier
+
+    store_path = squishlike.compress(tiny_llama, tmp_path / "store", format="int8", tiers=["finalized"])
+    store = NpyDir(store_path)
+    dense = {name: store.dequantize(name) for name in sorted(store.entries)[:2]}
+    for key in ("pipeline-2-0", "tensor-2-0", "tensor-2-1"):
+        RankTier(key, plan="a split").build(store, dense)
+    shards = store_path / "shards"
+    (shards / ".tensor-2-0.tmp-0123").mkdir()  # a build in progress: not a share
+    stale = shards / "pipeline-2-0" / ".ready"
+    stale.write_text(json.dumps({**json.loads(stale.read_text()), "manifest_fingerprint": "another manifest"}))
+    damaged = shards / "tensor-2-1" / "weights.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
+    report = inspect_model(store_path)
+    on_disk = {key: sum(f.stat().st_size for f in (shards / key).iterdir()) for key in report["rank_caches"]}
+    assert report["rank_caches"] == {  # inspect reads sizes only: the damaged share still looks ready
+        "pipeline-2-0": {"state": "stale (made for another manifest)", "bytes": on_disk["pipeline-2-0"]},
+        "tensor-2-0": {"state": "ready", "bytes": on_disk["tensor-2-0"]},
+        "tensor-2-1": {"state": "ready", "bytes": on_disk["tensor-2-1"]},
+    }
+    assert any(line.split()[:3] == ["rank", "shares", "pipeline-2-0"] for line in summary(report))
+
+    problems = verify(store_path)
+    assert len(problems) == 2, problems
+    assert f"tier rank: {stale} does not count (stale (made for another manifest))" in problems
+    assert any(line.startswith(f"tier rank: {damaged}") for line in problems), problems
+
+
 def test_sharded_provider_source(tmp_path, tokenizer_dir):
     """A source that is not an npy-dir (here an HF directory) loads through the provider: the same share as
     mlx_lm.sharded_load of that directory, bit for bit, and nothing is cached next to it."""
