@@ -10,11 +10,13 @@ from .formats.npydir import NpyDirReader
 from .npydir import MANIFEST, NpyDir, is_npydir
 from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
+from .tiers.rank import RankTier
 
 
 def inspect_model(path: str | Path) -> dict:
     """Format, architecture, size, config, tensor table; for an npy-dir also each tier's state and size, the
-    tier `squishlike.load` takes now and why (`load`), and the quality figures."""
+    tier `squishlike.load` takes now and why (`load`), each rank's cached share of a sharded load
+    (`rank_caches`, by layout key) and the quality figures."""
     path = locate(path)
     with WeightProvider.open(path) as provider:
         tensors = [dict(row) for row in provider.listing()]
@@ -42,6 +44,10 @@ def inspect_model(path: str | Path) -> dict:
             tier.name: {"state": status[tier.name], "bytes": tier.disk_bytes(store), "wanted": tier.wanted(store)}
             for tier in ordered(ORDER)
         }
+        report["rank_caches"] = {}
+        for tier in RankTier.cached(store):
+            payload, why = tier.ready(store)
+            report["rank_caches"][tier.key] = {"state": "ready" if payload else why, "bytes": tier.disk_bytes(store)}
         report["quality"] = {
             name: {"scheme": e.scheme, "reason": e.reason, **(e.error.to_json() if e.error else {})}
             for name, e in store.entries.items()

@@ -15,7 +15,7 @@ import argparse
 import functools
 import importlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from .errors import IncompatibleVersionError
 
@@ -32,8 +32,9 @@ def check_mlx_lm_version(version: str) -> None:
         )
 
 
-def run_tool(tool: str, argv: list[str], **load_options: Any) -> None:
-    """Run `mlx_lm <tool> ARGV` with squishlike.load(..., **load_options) as its loader (`tier=`, say)."""
+def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = None, **load_options: Any) -> None:
+    """Run `mlx_lm <tool> ARGV` with squishlike.load(..., **load_options) as its loader (`tier=`, say), or with
+    `loader` in its place."""
     import mlx_lm
     import mlx_lm.utils
 
@@ -48,7 +49,7 @@ def run_tool(tool: str, argv: list[str], **load_options: Any) -> None:
             f"name `load`, the seam squishlike replaces"
         )
     saved_argv = sys.argv
-    seams = {"load": functools.partial(load, **load_options)}
+    seams = {"load": loader or functools.partial(load, **load_options)}
     if getattr(module, "sharded_load", None) is mlx_lm.utils.sharded_load:  # chat, server: under mlx.launch
         seams["sharded_load"] = sharded_load
     originals = {name: getattr(module, name) for name in seams}

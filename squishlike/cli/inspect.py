@@ -1,6 +1,6 @@
 """Describe a model on disk: a summary first (format, architecture, size; for an npy-dir its tiers, ready or
-stale, with their sizes, in this device's order, and the tier `squishlike.load` takes here and why), then a
-table of tensors fitted to the terminal.
+stale, with their sizes, in this device's order, the tier `squishlike.load` takes here and why, and the shares
+`squishlike.sharded_load` cached per layout under shards/), then a table of tensors fitted to the terminal.
 --json prints everything, including each tensor's source name and an npy-dir's per-tensor error figures."""
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def summary(report: dict) -> list[str]:
         lines.append(f"  {'tiers' if i == 0 else '':12}  {name:10} {size:>10}  {policy:9}  {tier['state']}")
     lines.append(f"  {'':12}  {'cold':10} {'':>10}  {'':9}  always ready: dequantizes the store")
     lines.append(f"  load takes    {report['load']['tier']}: {report['load']['reason']}")
+    key_width = max(map(len, report["rank_caches"]), default=0)  # layout keys grow with the split
+    for i, (key, share) in enumerate(report["rank_caches"].items()):
+        size = megabytes(share["bytes"])
+        lines.append(f"  {'rank shares' if i == 0 else '':12}  {key:{key_width}} {size:>10}  {share['state']}")
     gate = store["int3_gate"]
     if store["scheme"] == "int3" and not gate.get("passed"):
         lines.append(f"  no 3-bit tier: {gate.get('reason', 'the INT3 accuracy gate was not passed')}")

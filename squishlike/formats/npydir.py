@@ -20,7 +20,7 @@ class NpyDirReader(FormatReader):
 
     format_name = "npydir"
     naming = "canonical"
-    verifies = "checked the checksum of every file of the store and of each ready tier"
+    verifies = "checked the checksum of every file of the store and of each ready tier and rank share"
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -53,9 +53,10 @@ class NpyDirReader(FormatReader):
 
     def verify(self) -> list[str]:
         from ..tiers import ORDER  # the tiers build on the store; imported on use
+        from ..tiers.rank import RankTier
 
         problems = verify_files(self.store.path, self.store.file_records())
-        for tier in ORDER:
+        for tier in [*ORDER, *RankTier.cached(self.store)]:
             sentinel = self.store.path / tier.sentinel
             payload, why = read_sentinel(sentinel, self.store.fingerprint)
             if payload is not None:

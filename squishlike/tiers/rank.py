@@ -7,10 +7,12 @@ sentinel. The key names the layout: mode, world size and rank ("tensor-2-0", "pi
 records the plan's fingerprint (every kept tensor, the axis it was cut along and the indices kept), so a model
 code whose split changed, or another store, never serves stale slices. Built as the finalized tier is: filled
 under a temporary name, published in one rename, under the store's directory lock.
+
+`inspect` and `verify` know no plan (it comes from a launch): they list every cached layout (`cached`) and judge
+each by its sentinel against the store as it is now, whatever split made it.
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 
@@ -28,22 +30,39 @@ WEIGHTS = "weights.safetensors"
 class RankTier(Tier):
     name = "rank"
 
-    def __init__(self, key: str, plan: str):
+    def __init__(self, key: str, plan: str | None = None):
         self.key = key  # the layout: "tensor-2-0", "pipeline-2-1", ...
-        self.plan = plan  # fingerprint of the kept slices
+        self.plan = plan  # fingerprint of the kept slices; None: any split (inspect, verify)
         self.sentinel = f"{DIRECTORY}/{key}/.ready"
+
+    @classmethod
+    def cached(cls, store: NpyDir) -> list[RankTier]:
+        """One tier, with no plan, per layout with a directory under shards/, ready or not (a build's temporary
+        directory, named with a leading dot, left out)."""
+        directory = store.path / DIRECTORY
+        if not directory.is_dir():
+            return []
+        return [cls(p.name) for p in sorted(directory.iterdir()) if p.is_dir() and not p.name.startswith(".")]
 
     def wanted(self, store: NpyDir) -> bool:
         return True  # asked for by launching sharded
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
         payload, why = super().ready(store)
-        if payload is not None and payload.get("plan") != self.plan:
+        if payload is not None and self.plan is not None and payload.get("plan") != self.plan:
             return None, "made for another split of the model"
         return payload, why
 
     def nbytes(self, store: NpyDir) -> int:
         return (store.path / DIRECTORY / self.key / WEIGHTS).stat().st_size
+
+    def disk_bytes(self, store: NpyDir) -> int:
+        """The bytes of the files in the share's directory, ready or not: nothing removes a share made for another
+        manifest or layout, so a stale one still takes its space. A directory that is a link counts nothing."""
+        directory = store.path / DIRECTORY / self.key
+        if directory.is_symlink() or not directory.is_dir():
+            return 0
+        return sum(f.lstat().st_size for f in directory.iterdir() if f.is_file() and not f.is_symlink())
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
         weights = load_safetensors(store.path / DIRECTORY / self.key / WEIGHTS, lazy=lazy)

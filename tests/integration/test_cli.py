@@ -134,7 +134,7 @@ def test_inspect_and_verify(tiny_llama, tmp_path):
     assert report["quality"]["layers.0.ffn.up.weight"]["rel_error"] > 0
     assert f"load takes    {report['load']['tier']}: " in cli("inspect", out).stdout
     assert cli("verify", out).stdout.strip() == f"{out}: OK (npydir: checked the checksum of every file of the " \
-                                                "store and of each ready tier)"
+                                                "store and of each ready tier and rank share)"
 
     victim = next((out / "tensors").glob("*__q4.npy"))
     data = bytearray(victim.read_bytes())

@@ -18,11 +18,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx_lm
 import numpy as np
 import pytest
 from support import shard_rank
+from support.arch_sweep import ARCH_CONFIGS
 from support.tiny_models import MINISTRAL3, TINY_CONFIGS, make_hf_model
 
 import squishlike
@@ -34,6 +36,9 @@ LAUNCH_TIMEOUT_S = 240
 # replicated on every rank.
 TENSOR_SHARDED = re.compile(
     r"layers\.\d+\.(attention\.[qkv]\.(weight|bias)|attention\.output\.weight|ffn\.\w+\.weight)")
+# The tensors a pipeline splits: those of the layers, under canonical names ("layers.3.") or, for an architecture
+# without a rule table, mlx_lm's ("model.layers.3.").
+LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\..*")
 
 
 def _free_ports(n: int) -> int:
@@ -63,15 +68,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(Path(squishlike.__file__).parents[1])}
 
 
-def _run_launch(command: list[str]) -> str:
-    """`mlx.launch -n RANKS --backend ring` of `command` on 127.0.0.1; its output. Bounded in time: on a timeout
-    the whole process group is killed."""
+def _run_launch(command: list[str]) -> tuple[str, str]:
+    """`mlx.launch -n RANKS --backend ring` of `command` on 127.0.0.1; the ranks' stdout and stderr. Bounded in
+    time: on a timeout the whole process group is killed. `--` keeps mlx.launch from taking the command's flags
+    that it also has (`--verbose`)."""
     launcher = Path(sys.executable).with_name("mlx.launch")
     process = subprocess.Popen(
-        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), *command],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env())
+        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), "--",
+         *command],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
     try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
@@ -79,17 +86,17 @@ def _run_launch(command: list[str]) -> str:
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-4000:]
-    return output
+    # mlx.launch exits 0 even when a rank fails; it says so on stderr
+    assert process.returncode == 0 and "exited with code" not in stderr, stderr[-4000:]
+    return stdout, stderr
 
 
 def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> list[dict]:
     """tests/support/shard_rank.py on RANKS ranks: each rank's logits and load record."""
     out.mkdir(parents=True, exist_ok=True)
-    output = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
-                          *([str(reference)] if reference else [])])
-    # mlx.launch exits 0 even when a rank fails: every rank must have written its results
-    assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), output[-4000:]
+    _, stderr = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
+                             *([str(reference)] if reference else [])])
+    assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), stderr[-4000:]
     return [{**dict(np.load(out / f"rank{r}.npz")), "load": json.loads((out / f"rank{r}.json").read_text())[0]}
             for r in range(RANKS)]
 
@@ -103,11 +110,27 @@ def stored_bytes(store: NpyDir, name: str) -> int:
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in map(entry.part_spec, entry.kind.suffixes))
 
 
-def share_bound(store: NpyDir, mode: str) -> int:
-    """1/RANKS of the bytes of the tensors the mode splits, plus all of the replicated ones."""
-    split = (lambda n: n.startswith("layers.")) if mode == "pipeline" else TENSOR_SHARDED.fullmatch
+def share_bound(store: NpyDir, mode: str, rank: int) -> int:
+    """The stored bytes `rank` may read: all of the replicated tensors, plus 1/RANKS of the tensors a tensor split
+    cuts, or all of the tensors of the layers of its pipeline stage (stages differ in size where layers do)."""
     total = {n: stored_bytes(store, n) for n in store.entries}
-    return sum(b for n, b in total.items() if not split(n)) + sum(b for n, b in total.items() if split(n)) // RANKS
+    if mode == "tensor":
+        split = {n for n in total if TENSOR_SHARDED.fullmatch(n)}
+        share = sum(total[n] for n in split) // RANKS
+    else:
+        split = {n for n in total if LAYER.fullmatch(n)}
+        stage = stage_layers(store.config(), rank)
+        share = sum(total[n] for n in split if int(LAYER.fullmatch(n).group(1)) in stage)
+    return sum(b for n, b in total.items() if n not in split) + share
+
+
+def stage_layers(config: dict, rank: int) -> range:
+    """The layers mlx_lm's own `pipeline()` gives `rank` of RANKS (the last layers go to rank 0)."""
+    from squishlike.model import new_model
+
+    model = new_model(config).model
+    model.pipeline(SimpleNamespace(rank=lambda: rank, size=lambda: RANKS))
+    return range(model.start_idx, model.end_idx)
 
 
 CASES = [  # (architecture, config, mode, store format, launch a second time)
@@ -116,6 +139,9 @@ CASES = [  # (architecture, config, mode, store format, launch a second time)
     ("qwen3", TINY_CONFIGS["qwen3"], "tensor", "int4", False),
     ("qwen2", TINY_CONFIGS["qwen2"], "pipeline", "int8", False),
     ("ministral3", MINISTRAL3, "pipeline", "int4", True),
+    # Multi-head latent attention, a dense first layer and a mixture of experts (float32: on mlx[cpu] the experts'
+    # gather_mm runs in float32 only).
+    ("deepseek_v3", ARCH_CONFIGS["deepseek_v3"], "pipeline", "int4", False),
 ]
 
 
@@ -132,8 +158,8 @@ def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunc
         assert np.array_equal(single_logits(mlx_lm.load(str(reference))[0]), expected)
 
     first = launch(store_path, mode, tmp_path / "first", reference)
-    bound = share_bound(store, mode)
     for rank, result in enumerate(first):
+        bound = share_bound(store, mode, rank)
         assert result["load"]["layout"] == f"{mode}-{RANKS}-{rank}"
         assert result["load"]["tier"] == "store"
         assert 0 < result["load"]["bytes_read"] <= bound * 1.05, (result["load"], bound)
@@ -152,6 +178,42 @@ def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunc
         assert np.array_equal(result["ours"], first[rank]["ours"])
 
 
+def test_inspect_and_verify_list_rank_shares(tiny_llama, tmp_path):
+    """inspect lists each layout's cached share (ready or why not, its size on disk); verify checks each share's
+    checksums as it does a tier's. The shares are built directly, as sharded_load builds them, with no launch."""
+    from squishlike.cli.inspect import summary
+    from squishlike.info import inspect_model, verify
+    from squishlike.tiers.rank import RankTier
+
+    store_path = squishlike.compress(tiny_llama, tmp_path / "store", format="int8", tiers=["finalized"])
+    store = NpyDir(store_path)
+    dense = {name: store.dequantize(name) for name in sorted(store.entries)[:2]}
+    for key in ("pipeline-2-0", "tensor-2-0", "tensor-2-1"):
+        RankTier(key, plan="a split").build(store, dense)
+    shards = store_path / "shards"
+    (shards / ".tensor-2-0.tmp-0123").mkdir()  # a build in progress: not a share
+    stale = shards / "pipeline-2-0" / ".ready"
+    stale.write_text(json.dumps({**json.loads(stale.read_text()), "manifest_fingerprint": "another manifest"}))
+    damaged = shards / "tensor-2-1" / "weights.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
+    report = inspect_model(store_path)
+    on_disk = {key: sum(f.stat().st_size for f in (shards / key).iterdir()) for key in report["rank_caches"]}
+    assert report["rank_caches"] == {  # inspect reads sizes only: the damaged share still looks ready
+        "pipeline-2-0": {"state": "stale (made for another manifest)", "bytes": on_disk["pipeline-2-0"]},
+        "tensor-2-0": {"state": "ready", "bytes": on_disk["tensor-2-0"]},
+        "tensor-2-1": {"state": "ready", "bytes": on_disk["tensor-2-1"]},
+    }
+    assert any(line.split()[:3] == ["rank", "shares", "pipeline-2-0"] for line in summary(report))
+
+    problems = verify(store_path)
+    assert len(problems) == 2, problems
+    assert f"tier rank: {stale} does not count (stale (made for another manifest))" in problems
+    assert any(line.startswith(f"tier rank: {damaged}") for line in problems), problems
+
+
 def test_sharded_provider_source(tmp_path, tokenizer_dir):
     """A source that is not an npy-dir (here an HF directory) loads through the provider: the same share as
     mlx_lm.sharded_load of that directory, bit for bit, and nothing is cached next to it."""
@@ -160,6 +222,42 @@ def test_sharded_provider_source(tmp_path, tokenizer_dir):
         assert result["load"]["tier"] == "hf"
         assert np.array_equal(result["ours"], result["mlx_lm"])
     assert not (src / "shards").exists()
+
+
+@pytest.fixture(scope="module")
+def generate_run(tmp_path_factory, tokenizer_dir) -> tuple[list[str], Path, str]:
+    """A `squishlike generate` command line (greedy, a few tokens) on a tiny store, the store, and what one
+    process prints for it; shared by the launches below."""
+    tmp = tmp_path_factory.mktemp("generate")
+    store_path = tmp / "store"
+    squishlike.compress(make_hf_model(tmp / "src", TINY_CONFIGS["qwen2"], tokenizer_dir), store_path,
+                        format="int8", tiers=["finalized"])
+    command = [sys.executable, "-m", "squishlike", "generate", "--model", str(store_path), "--prompt",
+               "The capital of France", "--max-tokens", "6", "--temp", "0", "--verbose", "False"]
+    single = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=LAUNCH_TIMEOUT_S)
+    assert single.returncode == 0 and single.stdout.strip(), single.stderr[-4000:]
+    return command, store_path, single.stdout
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_generate_under_mlx_launch(generate_run, mode):
+    """`squishlike generate` on RANKS ranks loads each rank's share and prints, once (rank 0), the greedy text one
+    process prints."""
+    command, store_path, expected = generate_run
+    stdout, _ = _run_launch([*command, *(["--pipeline"] if mode == "pipeline" else [])])
+    assert stdout == expected
+    assert {f"{mode}-{RANKS}-{r}" for r in range(RANKS)} <= {p.name for p in (store_path / "shards").iterdir()}
+
+
+def test_generate_sharded_loader_refuses_what_a_share_cannot_take():
+    """Under mlx.launch, mlx_lm generate's adapter and activation quantization are refused, not dropped."""
+    from squishlike.cli.generate import sharded_loader
+
+    load = sharded_loader(None)
+    with pytest.raises(ValueError, match="adapters"):
+        load("model", adapter_path="adapter")
+    with pytest.raises(ValueError, match="quantize_activations"):
+        load("model", model_config={"quantize_activations": True})
 
 
 @pytest.mark.parametrize("tool", ["chat", "server"])
