@@ -55,13 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None,
                                         formatter_class=HelpFormatter)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool)
+        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, own_options=_own_options(command_parser))
         flags[name] = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}
     # A message may point to another command's option ("compress with format=int4"): its flags are named too.
     every_flag = {dest: flag for own in flags.values() for dest, flag in own.items()}
     for name, own in flags.items():
         sub.choices[name].set_defaults(flags={**every_flag, **own})
     return parser
+
+
+def _own_options(parser: argparse.ArgumentParser) -> str:
+    """The help of a parser's own options: for a tool's subcommand, what follows the tool's own --help."""
+    formatter = parser._get_formatter()
+    formatter.start_section("squishlike's options (beside the mlx_lm flags above)")
+    formatter.add_arguments(parser._actions)
+    formatter.end_section()
+    return formatter.format_help()
 
 
 def as_flags(message: str, flags: dict[str, str]) -> str:
@@ -83,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         from ..openblas import reexec_with_openblas
 
         reexec_with_openblas(argv)
+    if args.mlx_lm_tool is not None and not {"-h", "--help"}.isdisjoint(tool_argv):
+        try:
+            return args.run(args)  # the tool's parser prints its help and exits
+        finally:
+            print(args.own_options)
     try:
         return args.run(args)
     except (*RUNTIME_ERRORS, *USAGE_ERRORS, OSError) as e:  # OSError: disk full, permission denied

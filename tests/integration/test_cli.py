@@ -34,6 +34,12 @@ def test_help_explains_every_command():
         assert command in out
     assert "--group-size" in cli("compress", "--help").stdout
     assert "--prompt-concurrency" in cli("server", "--help").stdout  # mlx_lm.server's own flags
+    for tool in ("generate", "chat", "server"):  # a tool's help: mlx_lm's flags, then squishlike's own
+        done = cli(tool, "--help")
+        assert done.returncode == 0 and "--max-tokens" in done.stdout, done.stderr
+        assert done.stdout.index("--max-tokens") < done.stdout.index("squishlike's options") < done.stdout.index(
+            "--tier")
+    assert "--pipeline" in cli("generate", "--help").stdout
 
 
 def test_version():
