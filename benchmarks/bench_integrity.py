@@ -8,7 +8,9 @@ Compresses the model once (into --workdir), then, in this one process with the f
 each load with its checks and with them switched off, alternating, `--runs` times each, and prints the medians
 and their ratio:
 - cold: ColdTier.load_dense (dequantize the store into fresh buffers), with and without the store's files
-  checked against the manifest's checksums (a background thread hashes while the kernels dequantize);
+  checked against the manifest's fast hash, xxh3 (a background thread hashes while the kernels dequantize);
+- cold sha256: the same, the store seen as one written before xxh3 was recorded (its records without xxh3), so
+  the check falls back to sha256: what the cold path cost before xxh3, measured in the same run;
 - each warm tier: its load, with and without the header checks (the tier safetensors' header against the one
   written, each finalized .npy header against the manifest, the int4 tier's config.json).
 """
@@ -26,6 +28,7 @@ import mlx.core as mx
 
 import squishlike
 from squishlike.default_model import default_model_path
+from squishlike.io.checksum import FAST
 from squishlike.npydir import NpyDir
 from squishlike.tiers import BY_NAME, cold, finalized, mlx, quantized
 
@@ -81,7 +84,11 @@ def main() -> int:
     stored = sum(r.size for r in store.part_files().values())
     print(f"{out}: {len(store.entries)} tensors, {stored / 1e6:.1f} MB stored; medians of {args.runs} runs each")
     print(f"{'load':<12} {'checked s':>10} {'unchecked s':>12} {'ratio':>7}")
-    figures = {"cold": lambda: cold.ColdTier().load_dense(store)[0].weights}
+    old_style = NpyDir(out)
+    records = {rel: {k: v for k, v in r.items() if k != FAST} for rel, r in old_style.file_records().items()}
+    old_style.file_records = lambda: records
+    figures = {"cold": lambda: cold.ColdTier().load_dense(store)[0].weights,
+               "cold sha256": lambda: cold.ColdTier().load_dense(old_style)[0].weights}
     for name in ("int4", "mlx", "finalized"):
         figures[name] = lambda tier=BY_NAME[name]: tier.load(store).weights
     for name, load in figures.items():

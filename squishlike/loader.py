@@ -49,11 +49,12 @@ def load(
     ready tier in this device's order wins (quantized first on a GPU, dense first on mlx[cpu]: docs/format.md §9),
     and the first load of a fresh npy-dir builds that tier from the store for every later process, returning the
     same model they will.
-    The first load checks every store file against the manifest's checksum, so a damaged store fails naming the
-    file and never becomes a cache.
+    The first load checks every store file against the manifest's fast hash (XXH3; SHA-256 in a store written
+    before XXH3 was recorded), so a damaged store fails naming the file and never becomes a cache.
 
-    `verify=True` (or SQUISHLIKE_VERIFY=1 in the environment) also hashes a cache tier's files against its
-    sentinel before loading them; a damaged tier is then skipped and rebuilt. (An Ollama blob is always checked
+    `verify=True` (or SQUISHLIKE_VERIFY=1 in the environment) checks every recorded hash, SHA-256 too, and also
+    hashes a cache tier's files against its sentinel before loading them; a damaged tier is then skipped and
+    rebuilt. (An Ollama blob is always checked
     against its digest; other formats record no checksum.)
     """
     path = resolve(path_or_hf_repo, revision)

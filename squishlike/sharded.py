@@ -217,7 +217,12 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
     from .tiers.base import mlx_names
     from .tiers.rank import RankTier
 
-    tier = RankTier(plan.key, plan.fingerprint)
+    canonical = {mlx: name for name, mlx in mlx_names(store).items()}
+    for name in plan.kept:
+        if name not in canonical:
+            raise MissingTensorError(store.path / MANIFEST, name, "the model needs it and the store has no such tensor")
+    shapes = {name: _kept_shape(store.entry(canonical[name]).shape, s) for name, s in plan.kept.items()}
+    tier = RankTier(plan.key, plan.fingerprint, shapes)
     if tier.ready(store)[0] is not None:
         try:
             return tier.load(store).weights, tier.name, tier.nbytes(store)
@@ -225,12 +230,9 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
             warnings.warn(f"{store.path / tier.sentinel}: unreadable ({e}); reading the store and rebuilding it")
             with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
                 tier.invalidate(store)
-    canonical = {mlx: name for name, mlx in mlx_names(store).items()}
     reader = SliceReader(store)
     dense = {}
     for name, selection in plan.kept.items():
-        if name not in canonical:
-            raise MissingTensorError(store.path / MANIFEST, name, "the model needs it and the store has no such tensor")
         dense[canonical[name]] = reader.read(canonical[name], *(selection or ()))
     weights = {mlx: to_mx(dense[name], store.runtime_dtype) for mlx, name in canonical.items() if name in dense}
     lock = DirectoryLock(store.path)
@@ -241,6 +243,16 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
     except OSError as e:  # read-only directory, disk full: this launch still has its weights
         warnings.warn(f"{store.path}: could not cache the {plan.key} share ({e})")
     return weights, "store", reader.bytes_read
+
+
+def _kept_shape(shape: tuple[int, ...], selection: Selection) -> tuple[int, ...]:
+    """The shape of what `selection` keeps of a tensor of `shape` (SliceReader.read's result)."""
+    if selection is None:
+        return tuple(shape)
+    axis, index = selection
+    kept = list(shape)
+    kept[axis % len(kept)] = len(index)
+    return tuple(kept)
 
 
 def _provider_weights(provider: Any, plan: Plan) -> tuple[dict[str, mx.array], int]:

@@ -1,5 +1,5 @@
 //! Python bindings only: check every array (dtype, shape, contiguity, writeability), release the GIL, call a kernel.
-//! The kernels live one file per family. Outputs are always caller-provided arrays; `squishlike.quant` is the
+//! The kernels live one file per family; the file hash (`Xxh3`) in hash.rs. Outputs are always caller-provided arrays; `squishlike.quant` is the
 //! public face that allocates them when the caller passes none.
 //!
 //! Errors: a wrong dtype is a TypeError; anything else wrong with the input (shape, group size, NaN/inf, codes out
@@ -8,12 +8,13 @@
 use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
 use numpy::{Element, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 pub mod affine;
 pub mod dtype;
+pub mod hash;
 pub mod int3;
 pub mod int4;
 pub mod int8;
@@ -425,6 +426,44 @@ where
     scheme_constants(py, bits, K::GROUP_SIZES, K::BLOCK, K::words(K::BLOCK), numpy::dtype::<K::Word>(py))
 }
 
+/// Streaming XXH3-128 of a file's bytes: `update(data)` with any contiguous bytes-like object or NumPy array
+/// (hashed with the GIL released, so other threads read and dequantize meanwhile), then `hexdigest()`.
+#[pyclass(name = "Xxh3", module = "squishlike.rust_quant")]
+#[derive(Default)]
+struct PyXxh3(hash::Xxh3_128);
+
+#[pymethods]
+impl PyXxh3 {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn update(&mut self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let bytes = byte_view(data)?;
+        let (bytes, state) = (bytes.as_slice()?, &mut self.0);
+        py.allow_threads(|| state.update(bytes));
+        Ok(())
+    }
+
+    fn hexdigest(&self) -> String {
+        self.0.hexdigest()
+    }
+}
+
+/// The bytes of `data`, without a copy: a uint8 array as it is, anything else through numpy.frombuffer (abi3 for
+/// Python 3.10 has no buffer protocol of its own; frombuffer refuses memory that is not contiguous).
+fn byte_view<'py>(data: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArrayDyn<'py, u8>> {
+    let array = match data.downcast::<PyArrayDyn<u8>>() {
+        Ok(array) => array.clone(),
+        Err(_) => data.py().import("numpy")?.call_method1("frombuffer", (data, "uint8"))?.downcast_into()?,
+    };
+    if !array.is_c_contiguous() {
+        return Err(PyValueError::new_err("Xxh3.update needs contiguous data"));
+    }
+    array.try_readonly().map_err(|e| PyValueError::new_err(format!("Xxh3.update: {e}")))
+}
+
 #[pymodule]
 fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -448,5 +487,6 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize_int3, m)?)?;
     m.add_function(wrap_pyfunction!(pack_int3, m)?)?;
     m.add_function(wrap_pyfunction!(unpack_int3, m)?)?;
+    m.add_class::<PyXxh3>()?;
     Ok(())
 }

@@ -1,45 +1,85 @@
-"""The one checksum squishlike keeps for its files (sha256), the {size, sha256} record of a file, and the check of
-files against their records (hashed in parallel: hashlib releases the GIL)."""
+"""The hashes squishlike records for its files, the record of a file ({size, sha256, xxh3}), and the check of
+files against their records (hashed in parallel: hashlib and the Rust hasher release the GIL).
+
+This is the one module that knows the hash names. Every record holds SHA-256 (CHECKSUM; also the digest Ollama
+names its blobs by). Records written now also hold XXH3-128 (FAST), computed in the same pass: a first load
+checks that one (SHA-256 would cost it more than the dequantization it runs beside), and falls back to SHA-256
+for a store written before XXH3 was recorded. `verify` checks every hash a record holds."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import FormatError, IntegrityError
+from ..rust_quant import Xxh3
 
 from .files import open_regular
 
 CHECKSUM = "sha256"
+FAST = "xxh3"  # XXH3-128, 32 hex digits, as xxh128sum prints it
+HASHES = (CHECKSUM, FAST)  # what a record written now holds besides the size
 CHUNK = 16 << 20
 
 
-def file_checksum(path: Path) -> str:
-    """The hex checksum of a file's bytes, read in big chunks."""
-    h = hashlib.new(CHECKSUM)
+class Digests:
+    """Several hashes of one stream of bytes, fed once."""
+
+    def __init__(self, names: Iterable[str] = HASHES):
+        self._hashers = {name: Xxh3() if name == FAST else hashlib.new(name) for name in names}
+
+    def update(self, data) -> None:
+        """Hash `data`: bytes, a memoryview or a uint8 array."""
+        for h in self._hashers.values():
+            h.update(data)
+
+    def hexdigests(self) -> dict[str, str]:
+        return {name: h.hexdigest() for name, h in self._hashers.items()}
+
+
+def file_digests(path: Path, names: Iterable[str] = HASHES) -> dict[str, str]:
+    """The hex digests `names` of a file's bytes, read once in big chunks."""
+    digests = Digests(names)
     with open_regular(path) as f:
         buf = bytearray(min(CHUNK, max(1, os.fstat(f.fileno()).st_size)))  # zeroing 16 MiB per small file is slow
         view = memoryview(buf)
         while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+            digests.update(view[:n])
+    return digests.hexdigests()
+
+
+def file_checksum(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes."""
+    return file_digests(path, (CHECKSUM,))[CHECKSUM]
 
 
 def file_record(path: Path) -> dict:
-    """The {size, checksum} record sentinels and manifests keep for every file."""
-    return {"size": Path(path).stat().st_size, CHECKSUM: file_checksum(path)}
+    """The {size, sha256, xxh3} record sentinels and manifests keep for every file."""
+    return {"size": Path(path).stat().st_size, **file_digests(path)}
 
 
-def file_problem(path: Path, record: dict) -> str | None:
-    """What is wrong with `path` against its {size, sha256} record (None: nothing)."""
+def hashes_to_check(record: dict, every: bool = False) -> list[str]:
+    """The hashes a file is checked against: the fast one when its record holds it, SHA-256 otherwise; with
+    `every`, each one the record holds. A record holding none is checked against SHA-256, which then differs."""
+    if not every:
+        return [FAST if FAST in record else CHECKSUM]
+    return [name for name in HASHES if name in record] or [CHECKSUM]
+
+
+def file_problem(path: Path, record: dict, every: bool = False) -> str | None:
+    """What is wrong with `path` against its record (None: nothing); `every`: see hashes_to_check."""
     try:
         size = os.stat(path).st_size
         if size != record.get("size"):
             return f"size {size}, expected {record.get('size')}"
-        if file_checksum(path) != record.get(CHECKSUM):
-            return f"{CHECKSUM} differs from the recorded checksum"
+        names = hashes_to_check(record, every)
+        actual = file_digests(path, names)
+        for name in names:
+            if actual[name] != record.get(name):
+                return f"{name} differs from the recorded checksum"
     except FileNotFoundError:
         return "missing"
     except FormatError as e:  # not a regular file
@@ -49,21 +89,22 @@ def file_problem(path: Path, record: dict) -> str | None:
     return None
 
 
-def file_problems(root: Path, files: dict[str, dict]) -> dict[Path, str]:
+def file_problems(root: Path, files: dict[str, dict], every: bool = False) -> dict[Path, str]:
     """Every recorded file under `root` that is not what its record says, with what is wrong; several hashed at
     once."""
     paths = [Path(root) / rel for rel in files]
     with ThreadPoolExecutor(max(1, min(len(paths), os.cpu_count() or 1))) as pool:
-        found = pool.map(file_problem, paths, files.values())
+        found = pool.map(file_problem, paths, files.values(), [every] * len(paths))
         return {p: problem for p, problem in zip(paths, found) if problem is not None}
 
 
 def verify_files(root: Path, files: dict[str, dict]) -> list[str]:
-    """Re-read and checksum every recorded file; return one problem line per bad file."""
-    return [f"{p}: {problem}" for p, problem in file_problems(root, files).items()]
+    """Re-read every recorded file and check every hash its record holds; one problem line per bad file."""
+    return [f"{p}: {problem}" for p, problem in file_problems(root, files, every=True).items()]
 
 
-def check_files(root: Path, files: dict[str, dict]) -> None:
-    """Re-read and checksum every recorded file; IntegrityError naming the first bad one."""
-    for p, problem in file_problems(root, files).items():
+def check_files(root: Path, files: dict[str, dict], every: bool = False) -> None:
+    """Re-read every recorded file and check it (the fast hash, or with `every` each one recorded);
+    IntegrityError naming the first bad one."""
+    for p, problem in file_problems(root, files, every).items():
         raise IntegrityError(p, problem)

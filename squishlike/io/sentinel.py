@@ -15,7 +15,7 @@ ABSENT = "absent"  # read_sentinel's reason when there is no sentinel at all (th
 
 
 def write_sentinel(path: Path, *, manifest_fingerprint: str, files: dict[str, dict], **extra: Any) -> None:
-    """Mark a tier ready. `files` maps paths relative to the sentinel's directory to {size, sha256}."""
+    """Mark a tier ready. `files` maps paths relative to the sentinel's directory to {size, sha256, xxh3}."""
     payload = {
         "format_version": SENTINEL_VERSION,
         "manifest_fingerprint": manifest_fingerprint,

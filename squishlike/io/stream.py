@@ -1,9 +1,8 @@
-"""StreamWriter: the one writer of squishlike's files, checksummed as written, with O_DIRECT where it can."""
+"""StreamWriter: the one writer of squishlike's files, hashed as written, with O_DIRECT where it can."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 import threading
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checksum import CHECKSUM
+from .checksum import Digests
 from .fault import fault_point
 
 _DIRECT_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the logical block size
@@ -29,9 +28,9 @@ def _take_buffer() -> mmap.mmap:
 
 
 class StreamWriter:
-    """A sequential writer, checksummed as it goes without re-reading the file.
+    """A sequential writer, hashed as it goes (every hash of the file's record) without re-reading the file.
 
-    The checksum runs on a second thread (hashlib releases the GIL), so hashing overlaps the writing. Where the
+    The hashing runs on a second thread (both hashers release the GIL), so it overlaps the writing. Where the
     filesystem takes it, data goes out with O_DIRECT through two page-aligned bounce buffers, one filling while
     the other is written: no page-cache pages to allocate (fresh pages, page cache included, are the slow part of
     writing big files) and nothing dirty left for the fsync. Anywhere else (tmpfs, no O_DIRECT,
@@ -43,7 +42,7 @@ class StreamWriter:
 
     def __init__(self, path: Path, label: str = ""):
         self._label = label
-        self._hash = hashlib.new(CHECKSUM)
+        self._hash = Digests()
         self.size = 0
         self._error: BaseException | None = None
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -151,7 +150,7 @@ class StreamWriter:
             view.release()
 
     def close(self) -> None:
-        """Write what is buffered, wait for the checksum, close the file. Raises what any thread hit."""
+        """Write what is buffered, wait for the hashes, close the file. Raises what any thread hit."""
         try:
             if self.direct:
                 tail = self._fill
@@ -189,5 +188,5 @@ class StreamWriter:
             self._fd = -1
 
     def record(self) -> dict:
-        """{size, checksum}, as checksum.file_record would compute it from the finished file."""
-        return {"size": self.size, CHECKSUM: self._hash.hexdigest()}
+        """{size, sha256, xxh3}, as checksum.file_record would compute it from the finished file."""
+        return {"size": self.size, **self._hash.hexdigests()}

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..dtypes import NP_STORAGE
 from ..errors import FormatError
+from ..io.checksum import CHECKSUM, HASHES
 from ..quant.schemes import SCHEMES, Scheme, rows_cols
 
 FORMAT = "squishlike-npy-dir"
@@ -99,11 +100,21 @@ class _Flat:
 
 
 @dataclass(frozen=True)
-class FileRecord(_Flat):
-    """A file's size and SHA-256, as manifests and sentinels record it."""
+class FileRecord:
+    """A file's size and hashes, as manifests and sentinels record it (io/checksum.py names the hashes): SHA-256
+    always, XXH3-128 in records written since squishlike added it."""
 
     size: int
-    sha256: str
+    hashes: dict[str, str]  # hash name -> hex digest
+
+    @classmethod
+    def from_json(cls, raw: Any) -> FileRecord:
+        raw = _typed(raw, dict, cls.__name__)
+        names = [name for name in HASHES if name == CHECKSUM or name in raw]  # a store written before XXH3 lacks it
+        return cls(_size(raw["size"], "size"), {name: _typed(raw[name], str, name) for name in names})
+
+    def to_json(self) -> dict:
+        return {"size": self.size, **self.hashes}
 
 
 @dataclass(frozen=True)

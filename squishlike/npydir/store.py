@@ -185,7 +185,7 @@ class NpyDir:
         return self.manifest.part_files()
 
     def file_records(self) -> dict[str, dict]:
-        """Every file the manifest records (parts and side files), relative to the npy-dir: {size, sha256}."""
+        """Every file the manifest records (parts and side files), relative to the npy-dir: {size, sha256[, xxh3]}."""
         recorded = {**self.part_files(), **self.manifest.side_files}
         return {rel: record.to_json() for rel, record in recorded.items()}
 

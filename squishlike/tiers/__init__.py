@@ -121,8 +121,9 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
     ready, the cold path (which builds the tier the order will use).
 
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
-    computes them. The cold path always checks the store's checksums; `verify` (see verify_wanted) also checks
-    a cache tier's files against its sentinel before they are loaded (a damaged tier is then rebuilt)."""
+    computes them. The cold path always checks the store's files against the manifest's fast hash; `verify`
+    (see verify_wanted) makes it check every recorded hash, SHA-256 too, and also checks a cache tier's files
+    against every hash its sentinel records before they are loaded (a damaged tier is then rebuilt)."""
     verify = verify_wanted(verify)
     try:
         if tier is not None:
@@ -132,7 +133,7 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
         if loaded is not None:
             return loaded
         # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-        return _cold_and_build(store, first_builds(store), lazy, recheck=not damaged)
+        return _cold_and_build(store, first_builds(store), lazy, recheck=not damaged, verify=verify)
     finally:
         fastmem.release()  # a prepare_memory() reservation this load did not use
 
@@ -173,11 +174,13 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
     chosen = BY_NAME[tier]
     payload, why = chosen.ready(store)
     if payload is not None:
+        if chosen is COLD:  # it checks the store's files as it loads them
+            return COLD.load(store, verify=verify)
         if verify:
             _check_tier_files(store, chosen, payload)
         return chosen.load(store, lazy=lazy)
     if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
-        _cold_and_build(store, [chosen], lazy)
+        _cold_and_build(store, [chosen], lazy, verify=verify)
         if chosen.ready(store)[0] is not None:
             return chosen.load(store, lazy=lazy)
     raise TierNotReadyError(_not_ready(store, chosen, why))
@@ -195,10 +198,8 @@ def _not_ready(store: NpyDir, tier: Tier, why: str) -> str:
 
 
 def _check_tier_files(store: NpyDir, tier: Tier, payload: dict) -> None:
-    """IntegrityError naming the first file of a cache tier that differs from its sentinel's record (the cold
-    tier checks its own files as it loads)."""
-    if tier is not COLD:
-        check_files((store.path / tier.sentinel).parent, payload["files"])
+    """IntegrityError naming the first file of a cache tier that differs from any hash its sentinel records."""
+    check_files((store.path / tier.sentinel).parent, payload["files"], every=True)
 
 
 def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None,
@@ -231,24 +232,27 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
     return None
 
 
-def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, recheck: bool = True) -> Loaded:
+def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, recheck: bool = True,
+                    verify: bool = False) -> Loaded:
     """The cold path: build `goals` under the lock, and return the weights later loads get from the first of them
-    (the tier they take): the dense buffers a dense tier was written from, or the quantized tier read back."""
+    (the tier they take): the dense buffers a dense tier was written from, or the quantized tier read back.
+    `verify`: the store's files are checked against every hash recorded, not only the fast one."""
     if not goals:
-        return COLD.load(store)  # the policy asks for no cache
+        return COLD.load(store, verify=verify)  # the policy asks for no cache
     lock = DirectoryLock(store.path)
     try:
         lock.acquire()
     except OSError as e:  # read-only directory: load cold, build nothing
         log.warning("%s: cannot lock (%s); loading from the store without building caches", store.path, e)
-        return COLD.load(store)
+        return COLD.load(store, verify=verify)
     try:
         first = goals[0]
         if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
             return first.load(store, lazy=lazy)
         remove_stale_temps(store.path)
         with sweeping_temps(store.path), build_progress(store, goals) as progress:
-            loaded, dense = COLD.load_dense(store, only=set().union(*(t.needs_dense(store) for t in goals)))
+            needed = set().union(*(t.needs_dense(store) for t in goals))
+            loaded, dense = COLD.load_dense(store, only=needed, verify=verify)
             progress.update()
             built = build_tiers(store, dense, goals, progress)
         if first.needs_dense(store) == set(store.entries):
@@ -256,7 +260,7 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
         # A quantized tier: this load reads back what it built (page cache), as every later load will.
         if first.name in built:
             return dataclasses.replace(first.load(store, lazy=lazy), tier=COLD.name)
-        return loaded if len(dense) == len(store.entries) else COLD.load(store)
+        return loaded if len(dense) == len(store.entries) else COLD.load(store, verify=verify)
     finally:
         lock.release()
 

@@ -33,23 +33,25 @@ class ColdTier(Tier):
     def invalidate(self, store: NpyDir) -> None:
         """Nothing: the store is never removed to rebuild it."""
 
-    def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
-        """Always computed: `lazy` does not apply to dequantization."""
-        return self.load_dense(store)[0]
+    def load(self, store: NpyDir, lazy: bool = False, verify: bool = False) -> Loaded:
+        """Always computed: `lazy` does not apply to dequantization. `verify`: see load_dense."""
+        return self.load_dense(store, verify=verify)[0]
 
-    def load_dense(self, store: NpyDir, only: Collection[str] | None = None) -> tuple[Loaded, dict[str, np.ndarray]]:
+    def load_dense(self, store: NpyDir, only: Collection[str] | None = None,
+                   verify: bool = False) -> tuple[Loaded, dict[str, np.ndarray]]:
         """(the weights, the same memory as NumPy arrays by canonical name: what the cache tiers build from).
 
         `only`: dequantize just these tensors (what a quantized tier's build needs); the weights are then partial.
 
-        Every store file is checked against the manifest's checksum, on a background thread while the kernels
+        Every store file is checked against the manifest's record, on a background thread while the kernels
         dequantize, and an IntegrityError naming the first damaged file is raised before anything is returned:
-        damaged data never reaches a model, nor a cache tier built from these buffers."""
+        damaged data never reaches a model, nor a cache tier built from these buffers. The check compares the
+        record's XXH3 (SHA-256 for a store written before XXH3 was recorded); with `verify`, every hash recorded."""
         store.check_part_sizes()  # before allocating from the manifest's shapes
         _check_fits_in_memory(store)
         prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
         with ThreadPoolExecutor(1, thread_name_prefix="squishlike-verify") as pool:
-            checked = pool.submit(check_files, store.path, store.file_records())
+            checked = pool.submit(check_files, store.path, store.file_records(), verify)
             buffers, dense = _allocate(store, set(store.entries) if only is None else set(only))
             _dequantize_all(store, dense)
             checked.result()

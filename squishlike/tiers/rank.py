@@ -6,7 +6,9 @@ sentinel. The key names the layout: mode, world size and rank ("tensor-2-0", "pi
 "pipeline-2-1.tensor-2-0"), so ranks that share one directory never write the same files. The sentinel also
 records the plan's fingerprint (every kept tensor, the axis it was cut along and the indices kept), so a model
 code whose split changed, or another store, never serves stale slices. Built as the finalized tier is: filled
-under a temporary name, published in one rename, under the store's directory lock.
+under a temporary name, published in one rename, under the store's directory lock. Loaded as the other safetensors
+tiers are: its header checked first to be exactly the one written for the plan's shapes (check_layout), since
+mx.load alone would read a header whose offsets overlap or whose shapes lie.
 
 `inspect` and `verify` know no plan (it comes from a launch): they list every cached layout (`cached`) and judge
 each by its sentinel against the store as it is now, whatever split made it.
@@ -30,9 +32,10 @@ WEIGHTS = "weights.safetensors"
 class RankTier(Tier):
     name = "rank"
 
-    def __init__(self, key: str, plan: str | None = None):
+    def __init__(self, key: str, plan: str | None = None, shapes: dict[str, tuple[int, ...]] | None = None):
         self.key = key  # the layout: "tensor-2-0", "pipeline-2-1", ...
-        self.plan = plan  # fingerprint of the kept slices; None: any split (inspect, verify)
+        self.plan = plan  # fingerprint of the kept slices; None: any split (inspect, verify, which never load it)
+        self.shapes = shapes or {}  # mlx_lm name -> the shape of the rank's part of it, in the order the build writes
         self.sentinel = f"{DIRECTORY}/{key}/.ready"
 
     @classmethod
@@ -64,8 +67,14 @@ class RankTier(Tier):
             return 0
         return sum(f.lstat().st_size for f in directory.iterdir() if f.is_file() and not f.is_symlink())
 
+    def tensors(self, store: NpyDir) -> list[Tensor]:
+        """What the share's file holds, in order: each kept part in the runtime dtype."""
+        return [Tensor(name, store.runtime_dtype, shape, None) for name, shape in self.shapes.items()]
+
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
-        weights = load_safetensors(store.path / DIRECTORY / self.key / WEIGHTS, lazy=lazy)
+        """The share; FormatError naming its file when the header is not the one written for `shapes`."""
+        weights = load_safetensors(store.path / DIRECTORY / self.key / WEIGHTS, self.tensors(store), store.path,
+                                   lazy=lazy)
         return Loaded(weights, store.config(), self.name)
 
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:

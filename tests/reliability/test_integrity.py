@@ -22,8 +22,11 @@ from support.crash_harness import (
     store_part,
 )
 
-from squishlike.errors import FormatError
+from squishlike.errors import FormatError, IntegrityError
 from squishlike.info import verify
+from squishlike.io.checksum import CHECKSUM, FAST, HASHES, file_checksum, file_record
+from squishlike.npydir import NpyDir
+from squishlike.npydir.manifest import part_file
 from squishlike.tiers import ORDER, ordered
 
 lab = lab_fixture()
@@ -191,3 +194,91 @@ def test_damaged_side_file_fails_with_a_typed_error(lab, built):
     with pytest.raises(FormatError, match=str(built)):
         load_in_process(built)
     assert any("tokenizer.json" in p for p in verify(built))
+
+
+# ---------------------------------------------------------------------------------------------- which hash checks what
+
+PART = "tensors/layers.0.ffn.up.weight__q4.npy"
+
+
+def overwrite_two_bytes(path: Path, offset: int = -9) -> None:
+    """Damage that keeps the size: two bytes of data changed in place."""
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 2] = bytes(b ^ 0x5A for b in data[offset:offset + 2])
+    path.write_bytes(bytes(data))
+
+
+def edit_records(model: Path, edit) -> None:
+    """edit(path relative to the store, record) for every file record of the manifest, written back."""
+    path = model / "manifest.json"
+    manifest = json.loads(path.read_text())
+    records = dict(manifest["side_files"])
+    for entry in manifest["tensors"].values():
+        records.update({part_file(entry["key"], suffix): r for suffix, r in entry["files"].items()})
+    for rel, record in records.items():
+        edit(rel, record)
+    path.write_text(json.dumps(manifest))
+
+
+def without_xxh3(lab, dest: Path) -> Path:
+    """The clean store as a squishlike that recorded SHA-256 alone wrote it."""
+    model = shutil.copytree(lab.pristine, dest)
+    edit_records(model, lambda rel, record: record.pop(FAST))
+    return model
+
+
+def test_every_file_written_records_both_hashes(built):
+    """Store files (hashed while written, or re-read for side files) and tier files (hashed while written) all
+    record SHA-256 and XXH3, and each is the hash of the file as it lies on disk."""
+    records = NpyDir(built).file_records()
+    for tier in ORDER:
+        sentinel = built / tier.sentinel
+        if sentinel.exists():
+            payload = json.loads(sentinel.read_text())
+            records.update({str(sentinel.parent.relative_to(built) / rel): r for rel, r in payload["files"].items()})
+    assert PART in records and "tokenizer.json" in records and "squish_weights.safetensors" in records
+    for rel, record in records.items():
+        assert set(record) == {"size", *HASHES} and len(record[FAST]) == 32, rel
+        assert record == file_record(built / rel), rel
+
+
+def test_first_load_catches_damage_with_the_fast_hash(lab, tmp_path):
+    """Two bytes of a part overwritten and its recorded SHA-256 made to match them: only the XXH3 can tell,
+    and the first load, which checks only that, fails naming the part."""
+    model = shutil.copytree(lab.pristine, tmp_path / "model")
+    overwrite_two_bytes(model / PART)
+    edit_records(model, lambda rel, r: r.update({CHECKSUM: file_checksum(model / rel)}) if rel == PART else None)
+    with pytest.raises(IntegrityError, match=f"{PART}: {FAST} differs"):
+        load_in_process(model)
+    assert not any(ready_tiers(model).values())  # nothing was built from it
+
+
+def test_first_load_checks_sha256_only_when_asked(lab, tmp_path, monkeypatch):
+    """A wrong SHA-256 beside a right XXH3: the plain first load does not read it (that is the time saved);
+    SQUISHLIKE_VERIFY=1 and `verify` check every recorded hash and name the file."""
+    model = shutil.copytree(lab.pristine, tmp_path / "model")
+    edit_records(model, lambda rel, r: r.update({CHECKSUM: "0" * 64}) if rel == PART else None)
+    monkeypatch.setenv("SQUISHLIKE_VERIFY", "1")
+    with pytest.raises(IntegrityError, match=f"{PART}: {CHECKSUM} differs"):
+        load_in_process(model)
+    assert not any(ready_tiers(model).values())
+    monkeypatch.delenv("SQUISHLIKE_VERIFY")
+    served, digest = load_in_process(model)
+    assert served == "cold" and digest == lab.weights
+    problems = verify(model)
+    assert len(problems) == 1 and PART in problems[0] and f"{CHECKSUM} differs" in problems[0], problems
+
+
+def test_a_store_without_xxh3_loads_and_is_checked_with_sha256(lab, tmp_path):
+    old = without_xxh3(lab, tmp_path / "old")
+    served, digest = load_in_process(old)
+    assert served == "cold" and digest == lab.weights
+    assert verify(old) == []
+    served, digest = load_in_process(old)  # the tier its first load built
+    assert served == serving_tier(old) != "cold" and digest == lab.weights
+
+    damaged = without_xxh3(lab, tmp_path / "damaged")
+    overwrite_two_bytes(damaged / PART)
+    with pytest.raises(IntegrityError, match=f"{PART}: {CHECKSUM} differs"):
+        load_in_process(damaged)
+    assert not any(ready_tiers(damaged).values())

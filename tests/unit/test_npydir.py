@@ -103,6 +103,17 @@ def test_manifest_round_trip_is_lossless(stores, scheme):
     assert all((stores[scheme] / rel).is_file() for rel in manifest.part_files())
 
 
+def test_manifest_of_a_store_written_before_xxh3_still_reads(stores):
+    """A record without the fast hash is valid and stays without it: the cold path then checks SHA-256."""
+    path = stores["int4"] / "manifest.json"
+    raw = json.loads(path.read_text())
+    for record in [*raw["side_files"].values(), *(r for e in raw["tensors"].values() for r in e["files"].values())]:
+        assert len(record.pop("xxh3")) == 32
+    manifest = Manifest.from_json(raw, path)
+    assert manifest.to_json() == raw
+    assert all(set(r.hashes) == {"sha256"} for r in manifest.part_files().values())
+
+
 def test_manifest_keeps_unknown_top_level_records(stores):
     path = stores["int4"] / "manifest.json"
     raw = json.loads(path.read_text()) | {"awq": {"applied": False}, "int3_gate": {"passed": False}}
@@ -138,6 +149,8 @@ DAMAGE = {
     "int4 scale_dtype unknown": lambda m: _first(m, "int4").update(scale_dtype="int8"),
     "group_size not dividing the columns": lambda m: _first(m, "int4").update(group_size=48),
     "passthrough without stored_dtype": lambda m: _first(m, "passthrough").pop("stored_dtype"),
+    "part without sha256": lambda m: _first(m, "int4")["files"]["q4"].pop("sha256"),
+    "part xxh3 a number": lambda m: _first(m, "int4")["files"]["q4"].update(xxh3=12),
     "an extra part": lambda m: _first(m, "int4")["files"].update(q3={"size": 1, "sha256": "0"}),
     "part too small for its shape": lambda m: _first(m, "int4")["files"]["q4"].update(size=1),
     "part size negative": lambda m: _first(m, "int4")["files"]["s4"].update(size=-1),

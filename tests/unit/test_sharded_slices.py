@@ -132,6 +132,55 @@ def test_rank_tier_is_taken_checked_and_rebuilt(tmp_path, qwen2, caplog):
     assert sorted(p.name for p in share.parent.iterdir()) == ["pipeline-2-1", "tensor-2-1"]
 
 
+def _header(path) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return length, json.loads(raw[8:8 + length])
+
+
+def overlap_second_tensor(path) -> None:
+    """Rewrite the header in place (same length, same file size) so the second tensor's data starts where the
+    first one's does: offsets that overlap, which mx.load alone reads without a word."""
+    length, header = _header(path)
+    first, second = sorted((e["data_offsets"], name) for name, e in header.items() if name != "__metadata__")[:2]
+    (start, _), ((b0, b1), name) = first[0], second
+    header[name]["data_offsets"] = [start, start + b1 - b0]
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    assert len(blob) <= length
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(blob.ljust(length))
+
+
+def test_rank_tier_with_overlapping_offsets_is_refused_naming_its_file(tmp_path, qwen2, caplog):
+    from squishlike.errors import FormatError
+    from squishlike.tiers.rank import RankTier
+
+    squishlike.compress(qwen2, tmp_path / "store", format="int8", tiers=[])
+    first = flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(1, 2))[0])
+    share = tmp_path / "store" / "shards" / "tensor-2-1"
+    weights = share / "weights.safetensors"
+    _, header = _header(weights)
+    order = sorted((e["data_offsets"], name) for name, e in header.items() if name != "__metadata__")
+    shapes = {name: tuple(header[name]["shape"]) for _, name in order}
+    store = NpyDir(tmp_path / "store")
+    tier = RankTier("tensor-2-1", json.loads((share / ".ready").read_text())["plan"], shapes)
+    assert tier.ready(store)[0] is not None and tier.load(store).weights.keys() == shapes.keys()
+
+    overlap_second_tensor(weights)
+    assert tier.ready(store)[0] is not None  # same size: the sentinel still counts
+    with pytest.raises(FormatError, match=f"{weights}: header entry"):
+        tier.load(store)
+    # sharded_load warns naming the file, reads its share from the store and rebuilds the tier
+    caplog.set_level(logging.DEBUG, logger="squishlike")
+    with pytest.warns(UserWarning, match="weights.safetensors: header entry"):
+        again = flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(1, 2))[0])
+    assert _records(caplog)[0]["tier"] == "store"
+    assert all(mx.array_equal(again[n], first[n]).item() for n in first)
+    assert tier.load(store).weights.keys() == shapes.keys()
+
+
 def test_models_without_sharding_are_refused_as_mlx_lm_refuses_them(tmp_path, tokenizer_dir):
     src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
     squishlike.compress(src, tmp_path / "store", format="int8", tiers=[])
