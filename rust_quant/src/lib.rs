@@ -275,105 +275,67 @@ where
     Ok(())
 }
 
-/// Affine 4-bit groups of `w` into `packed` (uint8, two codes per byte), `scales` and `biases` (scale_dtype).
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn quantize_int4(
-    py: Python<'_>,
-    w: &Bound<'_, PyAny>,
-    src_dtype: &str,
-    group_size: i64,
-    scale_dtype: &str,
-    clip_search: bool,
-    packed: &Bound<'_, PyAny>,
-    scales: &Bound<'_, PyAny>,
-    biases: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    quantize_affine::<Int4>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
+/// The quantize and dequantize pyfunctions of one affine scheme: typed entry points over the generic
+/// `quantize_affine` / `dequantize_affine`, since a #[pyfunction] cannot be generic.
+macro_rules! affine_bindings {
+    ($packing:ty, $quantize:ident, $quantize_doc:literal, $dequantize:ident, $dequantize_doc:literal) => {
+        #[doc = $quantize_doc]
+        #[pyfunction]
+        #[allow(clippy::too_many_arguments)]
+        fn $quantize(
+            py: Python<'_>,
+            w: &Bound<'_, PyAny>,
+            src_dtype: &str,
+            group_size: i64,
+            scale_dtype: &str,
+            clip_search: bool,
+            packed: &Bound<'_, PyAny>,
+            scales: &Bound<'_, PyAny>,
+            biases: &Bound<'_, PyAny>,
+        ) -> PyResult<()> {
+            quantize_affine::<$packing>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
+        }
+
+        #[doc = $dequantize_doc]
+        #[pyfunction]
+        #[allow(clippy::too_many_arguments)]
+        fn $dequantize(
+            py: Python<'_>,
+            packed: &Bound<'_, PyAny>,
+            scales: &Bound<'_, PyAny>,
+            biases: &Bound<'_, PyAny>,
+            out: &Bound<'_, PyAny>,
+            group_size: i64,
+            scale_dtype: &str,
+            out_dtype: &str,
+        ) -> PyResult<()> {
+            dequantize_affine::<$packing>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
+        }
+    };
 }
 
-/// Group-wise INT8 of `w` into `packed` (uint8, one code per byte, w's 2-D shape), `scales` and `biases`, on the
-/// grid mx.quantize(bits=8) chooses.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn quantize_int8g(
-    py: Python<'_>,
-    w: &Bound<'_, PyAny>,
-    src_dtype: &str,
-    group_size: i64,
-    scale_dtype: &str,
-    clip_search: bool,
-    packed: &Bound<'_, PyAny>,
-    scales: &Bound<'_, PyAny>,
-    biases: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    quantize_affine::<Int8g>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
-}
-
-/// Affine 3-bit groups of `w` into `packed` (uint32, mx.quantize(bits=3) layout), `scales` and `biases`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn quantize_int3(
-    py: Python<'_>,
-    w: &Bound<'_, PyAny>,
-    src_dtype: &str,
-    group_size: i64,
-    scale_dtype: &str,
-    clip_search: bool,
-    packed: &Bound<'_, PyAny>,
-    scales: &Bound<'_, PyAny>,
-    biases: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    quantize_affine::<Int3>(py, w, src_dtype, group_size, scale_dtype, clip_search, packed, scales, biases)
-}
-
-/// `out` (its 2-D shape gives the columns) = the INT4 codes dequantized exactly as mx.dequantize does.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn dequantize_int4(
-    py: Python<'_>,
-    packed: &Bound<'_, PyAny>,
-    scales: &Bound<'_, PyAny>,
-    biases: &Bound<'_, PyAny>,
-    out: &Bound<'_, PyAny>,
-    group_size: i64,
-    scale_dtype: &str,
-    out_dtype: &str,
-) -> PyResult<()> {
-    dequantize_affine::<Int4>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
-}
-
-/// `out` (its 2-D shape gives the columns) = the INT3 codes dequantized exactly as mx.dequantize does.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn dequantize_int3(
-    py: Python<'_>,
-    packed: &Bound<'_, PyAny>,
-    scales: &Bound<'_, PyAny>,
-    biases: &Bound<'_, PyAny>,
-    out: &Bound<'_, PyAny>,
-    group_size: i64,
-    scale_dtype: &str,
-    out_dtype: &str,
-) -> PyResult<()> {
-    dequantize_affine::<Int3>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
-}
-
-/// `out` (its 2-D shape gives the columns) = the group-wise INT8 codes dequantized exactly as mx.dequantize does.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn dequantize_int8g(
-    py: Python<'_>,
-    packed: &Bound<'_, PyAny>,
-    scales: &Bound<'_, PyAny>,
-    biases: &Bound<'_, PyAny>,
-    out: &Bound<'_, PyAny>,
-    group_size: i64,
-    scale_dtype: &str,
-    out_dtype: &str,
-) -> PyResult<()> {
-    dequantize_affine::<Int8g>(py, packed, scales, biases, out, group_size, scale_dtype, out_dtype)
-}
+affine_bindings!(
+    Int4,
+    quantize_int4,
+    "Affine 4-bit groups of `w` into `packed` (uint8, two codes per byte), `scales` and `biases` (scale_dtype).",
+    dequantize_int4,
+    "`out` (its 2-D shape gives the columns) = the INT4 codes dequantized exactly as mx.dequantize does."
+);
+affine_bindings!(
+    Int8g,
+    quantize_int8g,
+    "Group-wise INT8 of `w` into `packed` (uint8, one code per byte, w's 2-D shape), `scales` and `biases`, on \
+     the grid mx.quantize(bits=8) chooses.",
+    dequantize_int8g,
+    "`out` (its 2-D shape gives the columns) = the group-wise INT8 codes dequantized exactly as mx.dequantize does."
+);
+affine_bindings!(
+    Int3,
+    quantize_int3,
+    "Affine 3-bit groups of `w` into `packed` (uint32, mx.quantize(bits=3) layout), `scales` and `biases`.",
+    dequantize_int3,
+    "`out` (its 2-D shape gives the columns) = the INT3 codes dequantized exactly as mx.dequantize does."
+);
 
 /// uint8 codes 0..15 -> `packed` uint8, low nibble = even column.
 #[pyfunction]
