@@ -98,29 +98,36 @@ def build_model(
     model = new_model(config, model_dir, trust_remote_code)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-
-    if (quantization := config.get("quantization")) is not None:
-
-        def class_predicate(path: str, module: nn.Module):
-            if path in quantization:  # per-layer override, as mlx_lm writes it
-                return quantization[path]
-            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-                return False
-            return infer_quant_config(path, module, weights)
-
-        nn.quantize(
-            model,
-            group_size=quantization["group_size"],
-            bits=quantization["bits"],
-            mode=quantization.get("mode", "affine"),
-            class_predicate=class_predicate,
-        )
-
+    quantize_as_stored(model, config, weights)
     model.eval()
     model.load_weights(list(weights.items()), strict=strict)
     if not lazy:
         mx.eval(model.parameters())
     return model
+
+
+def quantize_as_stored(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array]) -> None:
+    """Turn `model`'s layers into the quantized ones `weights` (by mlx_lm name, after `sanitize`) fill, as
+    mlx_lm.load_model does for `config`'s "quantization": a layer the config names takes its override, any other
+    takes the group size, bits and mode its stored `.scales` imply. Only the weights' names, shapes and dtypes are
+    looked at, so lazy arrays cost no read. Without "quantization" in `config` the model stays as it is."""
+    if (quantization := config.get("quantization")) is None:
+        return
+
+    def class_predicate(path: str, module: nn.Module):
+        if path in quantization:  # per-layer override, as mlx_lm writes it
+            return quantization[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=class_predicate,
+    )
 
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")

@@ -13,6 +13,9 @@ slices. Here the model is split first, with no weights in it, and then asked whi
 - An npy-dir then reads only those rows or columns of the stored parts and dequantizes only them
   (squishlike/npydir/slices.py), and caches the rank's share as the `rank` tier (squishlike/tiers/rank.py) for the
   next launch with the same layout. Any other source the provider reads gives whole tensors, which are cut here.
+  An MLX-quantized source stays quantized, as mlx_lm keeps it: the model is quantized as stored before the split
+  (mlx_lm too quantizes before `shard()`), so the split has the quantized sharded layers and the probes say how
+  each part of a packed triple (words, scales, biases) is cut.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def sharded_load(
 
     With neither group, tensor parallelism over `mx.distributed.init()` where the model has `shard()`, else
     pipeline parallelism. An npy-dir is read slice by slice and its share cached per layout; any other source
-    squishlike.load reads (HF, MLX, GGUF, Ollama) is read tensor by tensor (only the stage's, when pipelined)."""
+    squishlike.load reads (HF, MLX, GGUF, Ollama) is read tensor by tensor (only the stage's, when pipelined), an
+    MLX-quantized one kept quantized as mlx_lm keeps it."""
     import mlx.core as mx
 
     from .model import model_tokenizer
@@ -94,8 +98,15 @@ def sharded_load(
             side_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="squishlike-side-")))
             provider.write_side_files(side_files)
             config, source = load_config(side_files), provider.reader.path
-            plan = plan_shards(config, side_files, pipeline_group, tensor_group, trust_remote_code)
-            weights, nbytes = _provider_weights(provider, plan)
+            # An MLX-quantized source stays quantized, as mlx_lm keeps it: the config says so, and the stored
+            # triples say which layers. Its reads are lazy (mx.load), so `stored` reads nothing until a kept
+            # tensor is evaluated.
+            stored = None
+            if quantization := provider.quantization():
+                config.update(quantization)
+                stored = provider.mlx_weights()
+            plan = plan_shards(config, side_files, pipeline_group, tensor_group, trust_remote_code, stored)
+            weights, nbytes = _provider_weights(provider, plan, stored)
             tier = provider.format
         model = plan.model
         try:
@@ -118,17 +129,25 @@ def plan_shards(
     pipeline_group: mx.distributed.Group | None,
     tensor_group: mx.distributed.Group | None,
     trust_remote_code: bool = False,
+    stored: dict[str, mx.array] | None = None,
 ) -> Plan:
-    """The model split for this rank, as mlx_lm.sharded_load splits it, and what each kept parameter holds."""
+    """The model split for this rank, as mlx_lm.sharded_load splits it, and what each kept parameter holds.
+
+    `stored`: a quantized source's weights by mlx_lm name (lazy; only names, shapes and dtypes are looked at). The
+    model is then quantized as they are before it is split, as mlx_lm.sharded_load quantizes before `shard()`, so
+    the split gives the same quantized sharded layers and the kept parts are of the packed triples."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .model import model_classes
+    from .model import model_classes, quantize_as_stored
 
     model_class, args_class = model_classes(config, model_dir, trust_remote_code)
 
     def new_model() -> nn.Module:
-        return model_class(args_class.from_dict(config))
+        model = model_class(args_class.from_dict(config))
+        if stored is not None:
+            quantize_as_stored(model, config, stored)
+        return model
 
     model = new_model()
     has_pipelining = hasattr(model, "model") and hasattr(model.model, "pipeline")
@@ -255,17 +274,23 @@ def _kept_shape(shape: tuple[int, ...], selection: Selection) -> tuple[int, ...]
     return tuple(kept)
 
 
-def _provider_weights(provider: Any, plan: Plan) -> tuple[dict[str, mx.array], int]:
+def _provider_weights(
+    provider: Any, plan: Plan, stored: dict[str, mx.array] | None
+) -> tuple[dict[str, mx.array], int]:
     """The rank's weights from any provider source: each kept tensor read whole, then cut. Returns them with the
-    bytes of the whole tensors read (as the source gives them: dequantized)."""
+    bytes of the whole tensors read (as the source gives them: packed triples, else dequantized).
+
+    `stored`: an MLX-quantized source's lazy weights (plan_shards'). Each part of a triple (packed words, scales,
+    biases) is cut on its own, where the probes say `shard()` cuts it, so the parts are mlx_lm's bit for bit. Each
+    is read whole, as mlx_lm reads every tensor it cuts (docs/format.md §14 says what reading less would take)."""
     import mlx.core as mx
 
     canonical = {provider.mlx_name(n): n for n in provider.names()}
     weights, nbytes = {}, 0
     for name, selection in plan.kept.items():
-        if name not in canonical:
+        if name not in (canonical if stored is None else stored):
             raise MissingTensorError(provider.reader.path, name, "the model needs it and the source has no such tensor")
-        array = provider.get(canonical[name])
+        array = provider.get(canonical[name]) if stored is None else stored[name]
         nbytes += array.nbytes
         weights[name] = array if selection is None else mx.take(array, mx.array(selection[1]), axis=selection[0])
     return weights, nbytes

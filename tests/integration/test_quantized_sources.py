@@ -17,7 +17,7 @@ from squishlike.compressor import compress
 from squishlike.exporter import export
 from squishlike.npydir import NpyDir
 from squishlike.tiers.base import mlx_names
-from support.tiny_models import TINY_CONFIGS, assert_same_weights, make_hf_model
+from support.tiny_models import TINY_CONFIGS, assert_same_weights, mlx_quantized
 
 PROMPT = [1, 5, 9, 200, 3, 77, 41, 12]
 
@@ -28,14 +28,6 @@ MODES = [
     ("mxfp8", 8, 32),
     ("nvfp4", 4, 16),
 ]
-
-
-def mlx_quantized(tmp_path: Path, tokenizer_dir: Path, config: dict = TINY_CONFIGS["llama"], **convert_args) -> Path:
-    """A tiny random model quantized by mlx_lm.convert itself (in float32 unless `dtype` is given: fast forward
-    passes on CPU)."""
-    make_hf_model(tmp_path / "hf", config, tokenizer_dir)
-    mlx_lm.convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), quantize=True, **convert_args)
-    return tmp_path / "mlx"
 
 
 def bits_of(a: mx.array) -> mx.array:

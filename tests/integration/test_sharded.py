@@ -20,12 +20,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
 from support import shard_rank
 from support.arch_sweep import ARCH_CONFIGS
-from support.tiny_models import MINISTRAL3, TINY_CONFIGS, make_hf_model
+from support.tiny_models import MINISTRAL3, TINY_CONFIGS, make_hf_model, mlx_quantized
 
 import squishlike
 from squishlike.npydir import NpyDir
@@ -92,13 +93,17 @@ def _run_launch(command: list[str]) -> tuple[str, str]:
 
 
 def launch(model: Path, mode: str, out: Path, reference: Path | None = None) -> list[dict]:
-    """tests/support/shard_rank.py on RANKS ranks: each rank's logits and load record."""
+    """tests/support/shard_rank.py on RANKS ranks: each rank's logits, load record and models (shard_rank.describe,
+    under "models")."""
     out.mkdir(parents=True, exist_ok=True)
     _, stderr = _run_launch([sys.executable, shard_rank.__file__, str(model), mode, str(out),
                              *([str(reference)] if reference else [])])
     assert all((out / f"rank{r}.json").exists() for r in range(RANKS)), stderr[-4000:]
-    return [{**dict(np.load(out / f"rank{r}.npz")), "load": json.loads((out / f"rank{r}.json").read_text())[0]}
-            for r in range(RANKS)]
+    results = []
+    for r in range(RANKS):
+        report = json.loads((out / f"rank{r}.json").read_text())
+        results.append({**dict(np.load(out / f"rank{r}.npz")), "load": report["loads"][0], "models": report["models"]})
+    return results
 
 
 def single_logits(model) -> np.ndarray:
@@ -222,6 +227,27 @@ def test_sharded_provider_source(tmp_path, tokenizer_dir):
         assert result["load"]["tier"] == "hf"
         assert np.array_equal(result["ours"], result["mlx_lm"])
     assert not (src / "shards").exists()
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_sharded_mlx_quantized_source(tmp_path, tokenizer_dir, mode):
+    """An MLX-quantized directory (mlx_lm.convert -q) stays quantized, as mlx_lm.sharded_load keeps it: on each
+    rank the same module classes (the quantized sharded linears under tensor parallelism), every parameter bit for
+    bit, the same logits; a pipeline stage reads only its own layers' triples."""
+    src = mlx_quantized(tmp_path, tokenizer_dir, TINY_CONFIGS["qwen2"], q_bits=4)
+    stored = {name: a.nbytes for f in src.glob("model*.safetensors") for name, a in mx.load(str(f)).items()}
+    for rank, result in enumerate(launch(src, mode, tmp_path / "out", src)):
+        ours, reference = result["models"]["ours"], result["models"]["mlx_lm"]
+        assert ours == reference
+        assert any(c.startswith("Quantized") for c in ours["modules"].values())
+        if mode == "tensor":
+            assert {"QuantizedAllToShardedLinear", "QuantizedShardedToAllLinear"} <= set(ours["modules"].values())
+        else:
+            stage = stage_layers(json.loads((src / "config.json").read_text()), rank)
+            share = [b for name, b in stored.items() if not (m := LAYER.fullmatch(name)) or int(m.group(1)) in stage]
+            assert 0 < result["load"]["bytes_read"] <= sum(share) < sum(stored.values())
+        assert result["load"]["tier"] == "mlx"
+        assert np.array_equal(result["ours"], result["mlx_lm"])
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,16 @@ def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.f
     return directory
 
 
+
+def mlx_quantized(tmp_path: Path, tokenizer_dir: Path, config: dict = TINY_CONFIGS["llama"], **convert_args) -> Path:
+    """A tiny random model quantized by mlx_lm.convert itself (in float32 unless `dtype` is given: fast forward
+    passes on CPU)."""
+    import mlx_lm
+
+    make_hf_model(tmp_path / "hf", config, tokenizer_dir)
+    mlx_lm.convert(str(tmp_path / "hf"), str(tmp_path / "mlx"), quantize=True, **convert_args)
+    return tmp_path / "mlx"
+
 def logits(model, tokens: list[int]) -> mx.array:
     return model(mx.array([tokens]))[0].astype(mx.float32)
 
