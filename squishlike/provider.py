@@ -171,9 +171,15 @@ class WeightProvider:
     def write_side_files(self, dest: str | PathLike) -> list[Path]:
         """Tokenizer files, generation config, chat template as the reader rebuilds them, and a config.json that
         describes the tensors `get` returns (dense_config)."""
+        from .config import load_config
+
         dest = Path(dest)
         written = self.reader.write_side_files(dest)
         write_json(dest / "config.json", self.dense_config())
+        try:  # what load refuses (a generation config it cannot use) no compress or export may write: say it here
+            load_config(dest)
+        except FormatError as e:  # it names the copy in `dest`; the user knows the source
+            raise FormatError(self.reader.path, f"{Path(e.path).name}: {e.problem}") from None
         return sorted(set(written) | {dest / "config.json"})
 
     def build_model(

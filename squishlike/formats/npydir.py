@@ -9,7 +9,7 @@ import mlx.core as mx
 from ..dtypes import to_mx
 from ..npydir import NpyDir, is_npydir
 from ..io.atomic import copy_file
-from ..io.checksum import verify_files
+from ..io.checksum import check_files, verify_files
 from ..io.files import read_json
 from ..io.sentinel import read_sentinel
 from .base import FormatReader, QuantizedTensor, TensorInfo
@@ -25,6 +25,18 @@ class NpyDirReader(FormatReader):
     def __init__(self, path: Path):
         super().__init__(path)
         self.store = NpyDir(path)
+        self._checked: set[str] = set()
+
+    def _check(self, records: dict[str, dict]) -> None:
+        """Check files against the manifest's records before their data is used, each once per reader, as a load
+        checks the whole store: compress or export of a damaged store must fail naming the file, not write the
+        damage into an output that looks sound."""
+        check_files(self.store.path, {rel: r for rel, r in records.items() if rel not in self._checked})
+        self._checked.update(records)
+
+    def _check_tensor(self, name: str) -> None:
+        entry = self.store.entry(name)
+        self._check({entry.part_file(suffix): record.to_json() for suffix, record in entry.files.items()})
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -46,9 +58,11 @@ class NpyDirReader(FormatReader):
         }
 
     def read(self, name: str) -> mx.array:
+        self._check_tensor(name)
         return to_mx(self.store.dequantize(name), self.store.runtime_dtype)
 
     def read_quantized(self, name: str) -> QuantizedTensor | None:
+        self._check_tensor(name)
         return self.store.quantized(name)
 
     def verify(self) -> list[str]:
@@ -67,6 +81,7 @@ class NpyDirReader(FormatReader):
 
     def write_side_files(self, dest: Path) -> list[Path]:
         Path(dest).mkdir(parents=True, exist_ok=True)
+        self._check({rel: record.to_json() for rel, record in self.store.manifest.side_files.items()})
         written = []
         for rel in self.store.manifest.side_files:
             copy_file(self.path / rel, Path(dest) / rel)

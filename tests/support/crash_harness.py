@@ -87,7 +87,9 @@ def _run_op(job: dict) -> Any:
 def act(action: str, target: Path, scratch: Path) -> Any:
     """Point one entry point of squishlike at `target`: "open" (open_weights, every tensor, the side files),
     "npydir" (NpyDir, every tensor dequantized), "load", "sentinel:<tier>" (load forcing that tier), "inspect",
-    "verify". Returns the weights digest for a load, verify's problems, else None."""
+    "verify", "compress" (an INT8 store, no tiers), "export" (an HF directory), both written under `scratch`.
+    Returns the weights digest for a load, verify's problems, what compress or export wrote (output_digest),
+    else None."""
     import mlx.core as mx
 
     import squishlike
@@ -111,6 +113,13 @@ def act(action: str, target: Path, scratch: Path) -> Any:
         inspect_model(target)
     elif action == "verify":
         return verify(target)
+    elif action == "compress":
+        # INT8 without calibration or tiers: the cheapest store that still reads every tensor of the source.
+        out = squishlike.compress(target, scratch / "compressed", format="int8", tiers=())
+        problems = verify(out)
+        return {"problems": problems} if problems else output_digest(out)
+    elif action == "export":
+        return output_digest(squishlike.export(target, "hf", scratch / "exported"))
     else:
         raise ValueError(action)
     return None
@@ -322,6 +331,21 @@ def tree_state(root: Path) -> dict[str, tuple]:
     file, so a FIFO or a terabyte sparse file costs nothing."""
     return {str(p.relative_to(root)): (st.st_mode, st.st_size, st.st_mtime_ns)
             for p in sorted(Path(root).rglob("*")) if p.name != ".squishlike.lock" for st in [p.lstat()]}
+
+
+def output_digest(out: Path) -> str:
+    """One sha256 over what compress or export wrote: an npy-dir's records of its tensors and side files (the
+    rest of its manifest says when and from where), every file of any other directory. Equal outputs of two
+    sources mean the same weights and side files, without the cost of loading either."""
+    h = hashlib.sha256()
+    if (out / "manifest.json").is_file():
+        m = json.loads((out / "manifest.json").read_text())
+        h.update(json.dumps([m["tensors"], m["side_files"]], sort_keys=True).encode())
+        return h.hexdigest()
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(out)).encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def weights_digest(model) -> str:
