@@ -5,8 +5,9 @@ Model: the shapes of a 0.5B Qwen2 (random bf16 weights, 0.99 GB), built by loadb
 (tensor, pipeline) and each round, three launches in turn: mlx_lm.sharded_load of the source; squishlike's first
 launch (no rank tier: reads its slices of the store, dequantizes them, builds the rank tier); squishlike's next
 launch (the rank tier). Each rank times its sharded_load call alone (imports done before) and counts the bytes
-its process read meanwhile (`rchar` of /proc/self/io: every read/pread, from disk or the page cache). Files are
-warm in the page cache: this measures reading and dequantizing, not the disk.
+its process read meanwhile (`rchar` of /proc/self/io: every read/pread, from disk or the page cache; not what a
+process copies out of a memory map: squishlike's column cuts, counted instead by SliceReader.bytes_read, which
+sharded_load logs). Files are warm in the page cache: this measures reading and dequantizing, not the disk.
 
     python -m benchmarks.bench_sharded [--workdir DIR] [--rounds N] [--format int8|int4]
 
