@@ -5,10 +5,17 @@ Model: the shapes of a 0.5B Qwen2 (random bf16 weights, 0.99 GB), built by loadb
 (tensor, pipeline) and each round, three launches in turn: mlx_lm.sharded_load of the source; squishlike's first
 launch (no rank tier: reads its slices of the store, dequantizes them, builds the rank tier); squishlike's next
 launch (the rank tier). Each rank times its sharded_load call alone (imports done before) and counts the bytes
-its process read meanwhile (`rchar` of /proc/self/io: every read/pread, from disk or the page cache). Files are
-warm in the page cache: this measures reading and dequantizing, not the disk.
+its process read meanwhile (`rchar` of /proc/self/io: every read/pread, from disk or the page cache; not what a
+process copies out of a memory map: squishlike's column cuts, counted instead by SliceReader.bytes_read, which
+sharded_load logs). Files are warm in the page cache: this measures reading and dequantizing, not the disk.
 
     python -m benchmarks.bench_sharded [--workdir DIR] [--rounds N] [--format int8|int4]
+
+`--slices` times instead the reading of a first launch alone, in one process: SliceReader.read of one rank's half
+of 4096x4096 weights, cut along the columns (what o_proj and down_proj keep) and along the rows, from an INT4 g64
+and an INT8 store.
+
+    python -m benchmarks.bench_sharded --slices [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 QWEN_0_5B = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
     "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
     "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
     "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
+SLICES_MODEL = {**QWEN_0_5B, "hidden_size": 4096, "intermediate_size": 4096, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "num_hidden_layers": 1, "vocab_size": 2048}
 LOADERS = ("mlx_lm", "squishlike first", "squishlike rank tier")
 RANKS = 2
 
@@ -114,6 +125,34 @@ def run(workdir: Path, rounds: int, fmt: str) -> dict:
         for (mode, loader, rank), runs in results.items()]}
 
 
+def slices(workdir: Path, repeats: int = 5) -> str:
+    """Median milliseconds of SliceReader.read of rank 0's half of each 4096x4096 weight, along each axis."""
+    from benchmarks.loadbench.models import build_qwen_like
+
+    import squishlike
+    from squishlike.npydir import NpyDir
+    from squishlike.npydir.slices import SliceReader
+
+    source = build_qwen_like(workdir / "slices-4096-bf16", None, SLICES_MODEL)
+    lines = ["| format | axis | ms (median) | MB read |", "|---|---|---:|---:|"]
+    for fmt, group_size in (("int4", 64), ("int8", "row")):
+        path = workdir / f"slices-4096-{fmt}"
+        if not (path / "manifest.json").exists():
+            squishlike.compress(source, path, format=fmt, group_size=group_size, tiers=[], force=True)
+        store = NpyDir(path)
+        names = [n for n, e in store.entries.items() if list(e.shape) == [4096, 4096]]
+        for axis, label in ((1, "columns"), (0, "rows")):
+            reader, times = SliceReader(store), []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                for name in names:
+                    reader.read(name, axis, np.arange(2048))
+                times.append(time.perf_counter() - started)
+            lines.append(f"| {fmt} | {label} of {len(names)} | {statistics.median(times) * 1e3:.1f} | "
+                         f"{reader.bytes_read / repeats / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict) -> str:
     base = {(r["mode"], r["rank"]): r for r in result["rows"] if r["loader"] == "mlx_lm"}
     lines = ["| mode | loader | rank | load s (median) | vs mlx_lm | bytes read | vs mlx_lm |",
@@ -137,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--format", choices=("int8", "int4"), default="int4")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--slices", action="store_true", help="time SliceReader.read alone (see above)")
     args = parser.parse_args(argv)
+    if args.slices:
+        print(slices(args.workdir))
+        return 0
     result = run(args.workdir, args.rounds, args.format)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
