@@ -231,7 +231,6 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
     """The rank's weights from its cached share when ready, else read slice by slice and cached.
     Returns (weights by mlx_lm name, the tier that served them, stored bytes read)."""
     from .dtypes import to_mx
-    from .io.lock import DirectoryLock
     from .npydir.slices import SliceReader
     from .tiers.base import mlx_names
     from .tiers.rank import RankTier
@@ -254,9 +253,8 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
     for name, selection in plan.kept.items():
         dense[canonical[name]] = reader.read(canonical[name], *(selection or ()))
     weights = {mlx: to_mx(dense[name], store.runtime_dtype) for mlx, name in canonical.items() if name in dense}
-    lock = DirectoryLock(store.path)
     try:
-        with lock:
+        with tier.lock(store):
             if tier.ready(store)[0] is None:  # another process with this layout may have built it meanwhile
                 tier.build(store, dense)
     except OSError as e:  # read-only directory, disk full: this launch still has its weights

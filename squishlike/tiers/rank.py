@@ -6,7 +6,7 @@ sentinel. The key names the layout: mode, world size and rank ("tensor-2-0", "pi
 "pipeline-2-1.tensor-2-0"), so ranks that share one directory never write the same files. The sentinel also
 records the plan's fingerprint (every kept tensor, the axis it was cut along and the indices kept), so a model
 code whose split changed, or another store, never serves stale slices. Built as the finalized tier is: filled
-under a temporary name, published in one rename, under the store's directory lock. Loaded as the other safetensors
+under a temporary name, published in one rename, under the layout's own lock. Loaded as the other safetensors
 tiers are: its header checked first to be exactly the one written for the plan's shapes (check_layout), since
 mx.load alone would read a header whose offsets overlap or whose shapes lie.
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from ..formats.safetensors import Tensor, write_safetensors
 from ..io.atomic import make_temp_dir, publish_dir, remove_stale_temps, sweeping_temps
+from ..io.lock import DirectoryLock
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from .base import Loaded, Tier, mlx_names
@@ -77,9 +78,16 @@ class RankTier(Tier):
                                    lazy=lazy)
         return Loaded(weights, store.config(), self.name)
 
+    def lock(self, store: NpyDir) -> DirectoryLock:
+        """The lock every writer of this layout's share holds (`build` needs it held): one per layout, not the
+        store's, so the ranks of a launch sharing one directory build their shares at once, not one after the
+        other (they write disjoint files: shards/KEY/ and its temporaries, .KEY.tmp-*)."""
+        (store.path / DIRECTORY).mkdir(exist_ok=True)
+        return DirectoryLock(store.path / DIRECTORY, f".{self.key}.lock")
+
     def build(self, store: NpyDir, dense: dict[str, np.ndarray]) -> None:
-        """`dense`: the rank's slices by canonical name, runtime dtype (bf16 as uint16). The caller holds the
-        store's lock."""
+        """`dense`: the rank's slices by canonical name, runtime dtype (bf16 as uint16). The caller holds
+        `self.lock(store)`."""
         self.invalidate(store)
         final = store.path / DIRECTORY / self.key
         final.parent.mkdir(exist_ok=True)

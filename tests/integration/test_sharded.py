@@ -173,7 +173,8 @@ def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunc
         else:
             assert np.array_equal(result["ours"], result["mlx_lm"])
             assert np.allclose(result["ours"], expected, atol=1e-4)
-    assert sorted(p.name for p in (store_path / "shards").iterdir()) == [f"{mode}-{RANKS}-{r}" for r in range(RANKS)]
+    shares = sorted(p.name for p in (store_path / "shards").iterdir() if not p.name.endswith(".lock"))  # per layout
+    assert shares == [f"{mode}-{RANKS}-{r}" for r in range(RANKS)]
     if not relaunch:  # each launch costs seconds of imports per rank; two cases show the second launch
         return
 
