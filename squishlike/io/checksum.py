@@ -89,11 +89,11 @@ def file_problem(path: Path, record: dict, every: bool = False) -> str | None:
     return None
 
 
-def file_problems(root: Path, files: dict[str, dict], every: bool = False) -> dict[Path, str]:
-    """Every recorded file under `root` that is not what its record says, with what is wrong; several hashed at
-    once."""
+def file_problems(root: Path, files: dict[str, dict], every: bool = False, threads: int | None = None) -> dict[Path, str]:
+    """Every recorded file under `root` that is not what its record says, with what is wrong; `threads` files at
+    once (default: one per core)."""
     paths = [Path(root) / rel for rel in files]
-    with ThreadPoolExecutor(max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max(1, min(len(paths), threads or os.cpu_count() or 1))) as pool:
         found = pool.map(file_problem, paths, files.values(), [every] * len(paths))
         return {p: problem for p, problem in zip(paths, found) if problem is not None}
 
@@ -103,8 +103,8 @@ def verify_files(root: Path, files: dict[str, dict]) -> list[str]:
     return [f"{p}: {problem}" for p, problem in file_problems(root, files, every=True).items()]
 
 
-def check_files(root: Path, files: dict[str, dict], every: bool = False) -> None:
-    """Re-read every recorded file and check it (the fast hash, or with `every` each one recorded);
-    IntegrityError naming the first bad one."""
-    for p, problem in file_problems(root, files, every).items():
+def check_files(root: Path, files: dict[str, dict], every: bool = False, threads: int | None = None) -> None:
+    """Re-read every recorded file and check it (the fast hash, or with `every` each one recorded), `threads` at
+    once; IntegrityError naming the first bad one."""
+    for p, problem in file_problems(root, files, every, threads).items():
         raise IntegrityError(p, problem)
