@@ -29,7 +29,7 @@ from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy,
 from .npydir.manifest import encode_key
 from .quant.schemes import SCHEMES, rows_cols
 from .provider import WeightProvider
-from .io.atomic import make_temp_dir, publish_dir, remove_stale_temps, sweeping_temps, write_json
+from .io.atomic import make_temp_dir, publish_dir, sweeping_temps, write_json
 from .io.files import read_json
 from .io.checksum import file_record
 from .io.lock import exclusive
@@ -151,7 +151,6 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
         with (exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"),
               sweeping_temps(out.parent, out.name)):
             _check_output(out, opts.force)  # it may have appeared while we waited
-            remove_stale_temps(out.parent, out.name)  # what a killed run into OUT left (we hold its lock)
             tmp = make_temp_dir(out)
             plan = _calibration_plan(provider, opts)
             if plan is not None:

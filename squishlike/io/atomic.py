@@ -205,10 +205,11 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 @contextlib.contextmanager
 def sweeping_temps(directory: Path, name: str | None = None) -> Iterator[None]:
-    """Around a write that makes temps in `directory` while holding the lock of their names: if the block stops
-    with an exception (Ctrl-C included), remove every temp of `name` (of any name when None) before the lock is
-    let go. A KeyboardInterrupt can land between a temp's creation and its writer's `try`, where no local cleanup
-    sees it; this catches it wherever it lands."""
+    """Around a write that makes temps in `directory` while holding the lock of their names: first remove the
+    temps of `name` (of any name when None) a killed writer left, and if the block stops with an exception
+    (Ctrl-C included), the ones it leaves, before the lock is let go. A KeyboardInterrupt can land between a temp's
+    creation and its writer's `try`, where no local cleanup sees it; this catches it wherever it lands."""
+    remove_stale_temps(directory, name)
     try:
         yield
     except BaseException:

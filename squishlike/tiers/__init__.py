@@ -249,7 +249,6 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
         first = goals[0]
         if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
             return first.load(store, lazy=lazy)
-        remove_stale_temps(store.path)
         with sweeping_temps(store.path), build_progress(store, goals) as progress:
             needed = set().union(*(t.needs_dense(store) for t in goals))
             loaded, dense = COLD.load_dense(store, only=needed, verify=verify)

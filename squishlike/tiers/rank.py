@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats.safetensors import Tensor, write_safetensors
-from ..io.atomic import make_temp_dir, publish_dir, remove_stale_temps, sweeping_temps
+from ..io.atomic import make_temp_dir, publish_dir, sweeping_temps
 from ..io.lock import DirectoryLock
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
@@ -91,8 +91,7 @@ class RankTier(Tier):
         self.invalidate(store)
         final = store.path / DIRECTORY / self.key
         final.parent.mkdir(exist_ok=True)
-        remove_stale_temps(final.parent, self.key)  # a crashed build of this key; the lock keeps out live ones
-        with sweeping_temps(final.parent, self.key):
+        with sweeping_temps(final.parent, self.key):  # the lock keeps out live builds of this key
             tmp = make_temp_dir(final)
             names = mlx_names(store)
             tensors = [Tensor(names[n], store.runtime_dtype, a.shape, a) for n, a in dense.items()]
