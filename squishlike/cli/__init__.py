@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None,
                                         formatter_class=HelpFormatter)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, own_options=_own_options(command_parser))
+        command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, parser=command_parser)
         flags[name] = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}
     # A message may point to another command's option ("compress with format=int4"): its flags are named too.
     every_flag = {dest: flag for own in flags.values() for dest, flag in own.items()}
@@ -92,16 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         from ..openblas import reexec_with_openblas
 
         reexec_with_openblas(argv)
-    if args.mlx_lm_tool is not None and not {"-h", "--help"}.isdisjoint(tool_argv):
-        try:
-            return args.run(args)  # the tool's parser prints its help and exits
-        finally:
-            print(args.own_options)
+    tool_help = args.mlx_lm_tool is not None and not {"-h", "--help"}.isdisjoint(tool_argv)
     try:
-        return args.run(args)
+        return args.run(args)  # with tool_help, the tool's parser prints its help and exits
     except (*RUNTIME_ERRORS, *USAGE_ERRORS, OSError) as e:  # OSError: disk full, permission denied
         print(f"squishlike {args.command}: error: {as_flags(str(e), args.flags)}", file=sys.stderr)
         return 2 if isinstance(e, USAGE_ERRORS) and not isinstance(e, RUNTIME_ERRORS) else 1
     except KeyboardInterrupt:
         print(f"squishlike {args.command}: interrupted; nothing was left half-written", file=sys.stderr)
         return 130
+    finally:
+        if tool_help:
+            print(_own_options(args.parser))
