@@ -64,10 +64,18 @@ def quantizable_weights(model: nn.Module) -> dict[str, str]:
     A weight qualifies when its module has `to_quantized` (nn.Linear, nn.Embedding, the expert stacks of
     SwitchLinear, ...) and the model's own `quant_predicate`, if it has one, does not refuse it (mlx_lm.convert
     asks the same). "int8": the predicate asks for 8 bits or more (MoE routers). "embedding": the input
-    embeddings (nn.Embedding) and the output head (`lm_head`), the tensors `compress` quantizes only when asked
-    to (--quantize-embeddings). Group-size fit is the caller's.
+    embeddings (nn.Embedding) and the output head (`lm_head`, or its family's name for it), the tensors `compress`
+    quantizes only when asked to (--quantize-embeddings). Group-size fit is the caller's.
     """
     predicate = getattr(model, "quant_predicate", None)
+    vocab_sizes = {m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, nn.Embedding)}
+
+    def is_output_head(path: str, module: nn.Module) -> bool:
+        # `lm_head` in most families, `output` (internlm2), `embed_out` (gpt_neox): a linear outside the layer
+        # stack that maps to the vocabulary. Inside the stack a projection may have the vocabulary's width by chance.
+        outside_layers = not any(part.isdigit() for part in path.split("."))
+        return path.rsplit(".", 1)[-1] == "lm_head" or (outside_layers and module.weight.shape[0] in vocab_sizes)
+
     kinds = {}
     for path, module in model.named_modules():
         if not hasattr(module, "to_quantized") or "weight" not in module:
@@ -75,7 +83,7 @@ def quantizable_weights(model: nn.Module) -> dict[str, str]:
         asked = True if predicate is None else predicate(path, module)
         if asked is False:
             continue
-        if isinstance(module, nn.Embedding) or path.rsplit(".", 1)[-1] == "lm_head":
+        if isinstance(module, nn.Embedding) or is_output_head(path, module):
             kinds[f"{path}.weight"] = "embedding"
         elif isinstance(asked, dict) and asked.get("bits", 0) >= 8:
             kinds[f"{path}.weight"] = "int8"
