@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.fake_hub import FakeHub
 from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
+
+# The suite checks what a first load builds as soon as the load returns (and its subprocesses inherit this):
+# first loads wait for their builds here. tests/integration/test_background_build.py tests the default, where a
+# dense tier is written on a background thread.
+os.environ["SQUISHLIKE_BACKGROUND_BUILD"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,10 @@ order.PREFERENCE.
 
 Cold path: holding the directory lock, build the tier the order will use (the first the manifest's policy asks
 for), so the next process takes a fast path, and serve this load the same model the next one gets: a dense tier
-is built from the cold tier's dequantized buffers, which serve this load; a quantized tier is a repack of the
-store (only its other tensors are dequantized), and this load reads it back. A process that waited on the lock
-re-checks the cache tiers first and loads the one its predecessor built instead of building it again.
+is built from the cold tier's dequantized buffers, which serve this load (by default on a background thread that
+holds the lock, after the load returns: background.py); a quantized tier is a repack of the store (only its other
+tensors are dequantized), and this load reads it back. A process that waited on the lock re-checks the cache
+tiers first and loads the one its predecessor built instead of building it again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..io.checksum import check_files
 from ..io.lock import DirectoryLock
 from ..io.sentinel import ABSENT, sentinel_says_damaged
 from ..npydir import NpyDir
+from . import background as background_build
 from . import fastmem
 from .base import Loaded, Tier
 from .cold import ColdTier
@@ -40,6 +42,7 @@ from .order import ordered, reason
 from .quantized import Int3Tier, Int4Tier
 
 log = logging.getLogger("squishlike")
+wait_for_builds = background_build.wait_for_builds
 
 ORDER: list[Tier] = [Int4Tier(), Int8Tier(), Int3Tier(), MlxTier(), FinalizedTier()]  # the cache tiers (order: order.py)
 COLD = ColdTier()
@@ -133,7 +136,8 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
         if loaded is not None:
             return loaded
         # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-        return _cold_and_build(store, first_builds(store), lazy, recheck=not damaged, verify=verify)
+        return _cold_and_build(store, first_builds(store), lazy, recheck=not damaged, verify=verify,
+                               background=background_build.background_wanted())
     finally:
         fastmem.release()  # a prepare_memory() reservation this load did not use
 
@@ -233,10 +237,12 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
 
 
 def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, recheck: bool = True,
-                    verify: bool = False) -> Loaded:
+                    verify: bool = False, background: bool = False) -> Loaded:
     """The cold path: build `goals` under the lock, and return the weights later loads get from the first of them
     (the tier they take): the dense buffers a dense tier was written from, or the quantized tier read back.
-    `verify`: the store's files are checked against every hash recorded, not only the fast one."""
+    `verify`: the store's files are checked against every hash recorded, not only the fast one. `background`:
+    when the first goal is dense, return its buffers as soon as they are dequantized and checked, and build on
+    a thread that holds the lock until it is done (background.py)."""
     if not goals:
         return COLD.load(store, verify=verify)  # the policy asks for no cache
     lock = DirectoryLock(store.path)
@@ -245,21 +251,43 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
     except OSError as e:  # read-only directory: load cold, build nothing
         log.warning("%s: cannot lock (%s); loading from the store without building caches", store.path, e)
         return COLD.load(store, verify=verify)
+    handed_off = False
     try:
         first = goals[0]
         if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
             return first.load(store, lazy=lazy)
+        needed = set().union(*(t.needs_dense(store) for t in goals))
+        dense_first = first.needs_dense(store) == set(store.entries)
+        if background and dense_first:
+            loaded, dense = COLD.load_dense(store, only=needed, verify=verify)  # a damaged store raises here
+            handed_off = True  # first: once the thread runs, it owns the lock, whatever lands here (Ctrl-C)
+            try:
+                background_build.start(f"{store.path} tier {', '.join(t.name for t in goals)}",
+                                       lambda: _build_and_release(store, dense, goals, lock))
+            except Exception:  # no thread to hand it to
+                handed_off = False
+                raise
+            return loaded
         with sweeping_temps(store.path), build_progress(store, goals) as progress:
-            needed = set().union(*(t.needs_dense(store) for t in goals))
             loaded, dense = COLD.load_dense(store, only=needed, verify=verify)
             progress.update()
             built = build_tiers(store, dense, goals, progress)
-        if first.needs_dense(store) == set(store.entries):
+        if dense_first:
             return loaded
         # A quantized tier: this load reads back what it built (page cache), as every later load will.
         if first.name in built:
             return dataclasses.replace(first.load(store, lazy=lazy), tier=COLD.name)
         return loaded if len(dense) == len(store.entries) else COLD.load(store, verify=verify)
+    finally:
+        if not handed_off:
+            lock.release()
+
+
+def _build_and_release(store: NpyDir, dense: dict[str, np.ndarray], goals: list[Tier], lock: DirectoryLock) -> None:
+    """A background build (background.py): the tiers, then the lock the load took for them."""
+    try:
+        with sweeping_temps(store.path):
+            build_tiers(store, dense, goals)
     finally:
         lock.release()
 
@@ -297,4 +325,4 @@ def build_progress(store: NpyDir, goals: list[Tier]):
 
 __all__ = ["ORDER", "COLD", "TIERS", "BY_NAME", "TIER_NAMES", "Loaded", "Tier", "load_weights", "build_tiers", "tier_status",
            "target", "first_builds", "choice", "ordered", "prune",
-           "prepare_memory", "release_memory", "verify_wanted"]
+           "prepare_memory", "release_memory", "verify_wanted", "wait_for_builds"]

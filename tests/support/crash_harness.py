@@ -145,6 +145,9 @@ def _child(job: dict) -> None:
     try:
         for k in FAULT_VARS:
             os.environ.pop(k, None)
+        # The operation ends when its call returns: a first load's build happens inside it, not on a thread
+        # that this child's exit (os._exit, below) would cut short.
+        os.environ["SQUISHLIKE_BACKGROUND_BUILD"] = "0"
         os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
         if job.get("rlimit_fsize") is not None:  # "disk full": no file may grow past this many bytes
             import resource
