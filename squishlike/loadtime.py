@@ -161,6 +161,11 @@ def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_p
                              "logit_norm": float(mx.sqrt(mx.sum(logits * logits)).item())}
     if generate:
         report.update(_generate(model, tokenizer, generate))
+    if loader == "squishlike":  # a first load's cache build, left to a background thread
+        from squishlike.tiers import wait_for_builds
+
+        wait_for_builds()
+        report["built_at"] = time.monotonic()
     return report
 
 

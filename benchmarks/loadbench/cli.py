@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens generated in the time-to-first-token figures (default 16; 0 skips them)")
     parser.add_argument("--prime", action="store_true",
                         help="touch and free as much memory as a run needs before each run (see the module doc)")
+    parser.add_argument("--only", default=None, metavar="GROUPS",
+                        help="run only these figure groups, comma-separated from warm, inproc, ttft, first, cold, "
+                             "compress (mlx_lm.load and the startup floor always run: the baselines)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--runs must be at least 1")
     run_benchmark(model, args.workdir, runs=runs, quick=args.quick, cold=not args.no_cold,
                   do_compress=not args.no_compress, prime=args.prime, forward=not args.no_forward,
-                  out_dir=args.out, generate=args.generate)
+                  out_dir=args.out, generate=args.generate,
+                  only=None if args.only is None else set(args.only.split(",")))
     return 0
 
 

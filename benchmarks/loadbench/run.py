@@ -152,10 +152,14 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     return configs
 
 
+GROUPS = ("warm", "inproc", "ttft", "first", "cold", "compress")  # in the order they run
+
+
 def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False, cold: bool = True,
                   do_compress: bool = True, prime: bool = False, forward: bool = True, out_dir: Path | None = None,
-                  generate: int = 16, log=print) -> dict:
-    """Prepare the models and stores under `workdir`, run every figure, write JSON, Markdown and PNG."""
+                  generate: int = 16, log=print, only: set[str] | None = None) -> dict:
+    """Prepare the models and stores under `workdir`, run every figure (or those of the groups in `only`, beside
+    the baselines), write JSON, Markdown and PNG."""
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -172,10 +176,15 @@ def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False,
             raise FileNotFoundError(f"{model}: no model*.safetensors there (or give one of: smollm, qwen1.5b)")
     log(f"source: {source} ({size(source_files(source)) / GB:.2f} GB); preparing the stores ...")
     configs = _plan(source, workdir, quick, cold, do_compress, name, generate)
+    if only is not None:
+        unknown = only - set(GROUPS)
+        if unknown:
+            raise ValueError(f"unknown figure group {', '.join(sorted(unknown))}; choose from {', '.join(GROUPS)}")
+        configs = [c for c in configs if c.group in only or c.key in ("mlx_lm", "startup")]
     for c in configs:
         if not c.evict:
             warm(c.files)
-    for group in ("warm", "inproc", "ttft", "first", "cold", "compress"):
+    for group in GROUPS:
         members = [c for c in configs if c.group == group or (group, c.group) in (("warm", "floor"), ("cold", "disk"))]
         count = 1 if group == "compress" and quick else runs
         for r in range(count):
