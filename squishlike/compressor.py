@@ -249,13 +249,18 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
 
 
 def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, plan=None) -> dict:
+    from .model import new_model, parameter_shapes  # imports mlx_lm
+
     runtime = opts.dtype or runtime_dtype(provider)
     infos = provider.reader.tensors()
+    side_files = provider.write_side_files(tmp)  # first: what a load would refuse in them costs no tensor work
+    model = new_model(provider.dense_config(), provider.reader.path)
+    provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
+    kinds = weight_kinds(provider, model)  # the model decides what is quantized
     (tmp / TENSORS).mkdir()
-    source_bytes = sum(t.nbytes for t in infos.values())
-    with tqdm(total=source_bytes, unit="B", unit_scale=True, desc="compress", disable=None, file=sys.stderr) as bar:
+    with tqdm(total=sum(t.nbytes for t in infos.values()), unit="B", unit_scale=True, desc="compress", disable=None,
+              file=sys.stderr) as bar:
         pipeline = _Pipeline(bar)
-        kinds = weight_kinds(provider)  # the model decides what is quantized
         try:
             for name in provider.names():
                 info = infos.get(provider.source_name(name))
@@ -266,7 +271,7 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
             pipeline.drain()
         finally:
             pipeline.close()
-    return _finish_store(provider, tmp, opts, runtime, pipeline.entries, source_bytes)
+    return _finish_store(provider, tmp, opts, runtime, pipeline.entries, side_files)
 
 
 class _Pipeline:
@@ -356,10 +361,10 @@ def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: 
     return entry
 
 
-def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, TensorEntry], source_bytes: int) -> dict:
+def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, TensorEntry],
+                  written: list[Path]) -> dict:
     from . import tokenizer  # mlx_lm and transformers: imported only once a store is written
 
-    written = provider.write_side_files(tmp)
     # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
     eos_token_ids = read_json(tmp / "config.json").get("eos_token_id")
     written += tokenizer.write_facts(tmp, {"trust_remote_code": False}, eos_token_ids)
@@ -385,7 +390,7 @@ def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, Te
         "tiers": tuple(tiers),
         "tensors": len(entries),
         "quantized": sum(e.kind.quantized for e in entries.values()),
-        "source_bytes": source_bytes,
+        "source_bytes": sum(t.nbytes for t in provider.reader.tensors().values()),
         "store_bytes": sum(r.size for r in manifest.part_files().values()),
     }
 

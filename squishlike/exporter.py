@@ -48,7 +48,7 @@ from .formats.safetensors import INDEX, SINGLE_FILE, tensor_of, write_safetensor
 from .io.atomic import atomic_path, make_temp_dir, publish_dir, publish_file, stream_file, temp_name, write_json
 from .io.checksum import CHECKSUM
 from .io.stream import StreamWriter
-from .model import build_model, new_model
+from .model import build_model, new_model, parameter_shapes
 from .provider import WeightProvider
 
 Target = Literal["hf", "mlx", "ollama"]
@@ -95,7 +95,8 @@ def export(
     with WeightProvider.open(src) as provider:
         # The architecture's mlx_lm model, built empty (no memory), as compress and load build it: a config that
         # names custom model code, or a model_type mlx_lm has no model for, is refused before anything is written.
-        new_model(provider.dense_config(), provider.reader.path)
+        # Each tensor is checked against the parameter it binds to as it is read: nothing a load would refuse.
+        provider.expect_shapes(parameter_shapes(new_model(provider.dense_config(), provider.reader.path)))
         if to == "ollama":
             name = ollama_name or default_ollama_name(Path(src))
             return export_ollama(provider, dest, name, params, force=force, dtype=dtype)

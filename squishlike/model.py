@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, infer_quant_config
 
@@ -56,6 +57,11 @@ def new_model(config: dict[str, Any], model_dir: Path | None = None, trust_remot
     """The mlx_lm model `config` describes, its parameters not loaded (random and unevaluated: no memory yet)."""
     model_class, args_class = model_classes(config, model_dir, trust_remote_code)
     return model_class(args_class.from_dict(config))
+
+
+def parameter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape by mlx_lm name (of a `new_model`: read from its unevaluated arrays, no memory)."""
+    return {name: tuple(array.shape) for name, array in tree_flatten(model.parameters())}
 
 
 def quantizable_weights(model: nn.Module) -> dict[str, str]:

@@ -63,6 +63,7 @@ class WeightProvider:
         # canonical name -> rule row, for the rows whose tensor the file has, in model order
         self._rules: dict[str, Rule] = {r.canonical: r for r in rows if getattr(r, self.naming) in stored}
         self._check_needed()
+        self._model_shapes: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def open(cls, path: str | PathLike, *, ollama_root: str | PathLike | None = None) -> WeightProvider:
@@ -94,17 +95,38 @@ class WeightProvider:
         """The mlx_lm model parameter `name` binds to (after the model's `sanitize`)."""
         return self._rule(name).mlx
 
+    def expect_shapes(self, model_shapes: dict[str, tuple[int, ...]]) -> None:
+        """From now on, refuse (FormatError naming the file) a tensor `get` or `get_quantized` reads whose shape
+        cannot be that of the model parameter it binds to; `model_shapes`: mlx_lm parameter name -> shape.
+
+        Loading checks this as it builds the model; compress and export, which never bind the weights to one,
+        check it here, before they write what no load would accept. A permutation of the model's shape passes: a
+        model's `sanitize` may move the axes of a tensor it keeps under the same name (convolution weights)."""
+        self._model_shapes = dict(model_shapes)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        expected = self._model_shapes.get(self.mlx_name(name))
+        if expected is not None and sorted(shape) != sorted(expected):
+            raise FormatError(self.reader.path, f"tensor {self.source_name(name)} has shape {tuple(shape)}, which "
+                                                f"cannot be the model's {self.mlx_name(name)} of shape "
+                                                f"{tuple(expected)} (config.json describes a different model)")
+
     def get(self, name: str) -> mx.array:
         """The canonical tensor `name`, dequantized if stored quantized, in its canonical orientation and values."""
         array = self.reader.read(self.source_name(name))
-        return self.arch.to_canonical(self.naming, name, array, self.config)
+        array = self.arch.to_canonical(self.naming, name, array, self.config)
+        self._check_shape(name, array.shape)
+        return array
 
     def get_quantized(self, name: str) -> QuantizedTensor | None:
         """The MLX quantized triple when the file stores `name` so and its values need no adapter (an adapter works
         on values, not on packed data: a permuted GGUF Q is dequantized by `get` instead). Else None."""
         if self.arch.adapters_for(self.naming, name):
             return None
-        return self.reader.read_quantized(self.source_name(name))
+        triple = self.reader.read_quantized(self.source_name(name))
+        if triple is not None:
+            self._check_shape(name, triple.shape)
+        return triple
 
     def quantization(self) -> dict[str, Any]:
         """The source config's entries (QUANTIZATION_KEYS) that describe the triples `mlx_weights` keeps quantized:
@@ -180,6 +202,12 @@ class WeightProvider:
             load_config(dest)
         except FormatError as e:  # it names the copy in `dest`; the user knows the source
             raise FormatError(self.reader.path, f"{Path(e.path).name}: {e.problem}") from None
+        from .tokenizer import custom_code  # transformers: whoever writes side files builds a tokenizer next
+
+        if (code := custom_code(dest)) is not None:
+            raise FormatError(self.reader.path, f"tokenizer_config.json names custom tokenizer code ({code}), a "
+                                                "class transformers does not ship; squishlike neither copies nor "
+                                                "runs code, so nothing it writes could build this tokenizer")
         return sorted(set(written) | {dest / "config.json"})
 
     def build_model(

@@ -77,6 +77,25 @@ def load(
     return load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
 
 
+def custom_code(directory: Path) -> str | None:
+    """The custom tokenizer class that `directory`'s tokenizer_config.json needs code for (its auto_map's
+    AutoTokenizer entry, when the tokenizer_class it names is not one transformers ships), or None."""
+    try:
+        config = json.loads(read_bytes(Path(directory) / "tokenizer_config.json", directory))
+    except (FormatError, ValueError, RecursionError):  # absent or unreadable: the tokenizer build says what is wrong
+        return None
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if not entry:
+        return None
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    name = config.get("tokenizer_class")
+    if isinstance(name, str) and tokenizer_class_from_name(name) is not None:
+        return None  # transformers builds its own class and leaves the code unused, as load would
+    return ", ".join(e for e in entry if isinstance(e, str)) if isinstance(entry, list) else str(entry)
+
+
 def write_facts(
     directory: Path, tokenizer_config_extra: dict[str, Any] | None = None, eos_token_ids: Any = None
 ) -> list[Path]:

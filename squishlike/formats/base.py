@@ -40,6 +40,11 @@ class QuantizedTensor:
     bits: int
     mode: str = "affine"  # "affine", "mxfp4", "mxfp8", "nvfp4"
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense tensor's shape: each uint32 word packs 32 / bits values of its last axis."""
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
+
     def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
         w = mx.dequantize(
             self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits, mode=self.mode

@@ -194,6 +194,29 @@ def test_compress_keeps_the_facts_and_load_uses_them(tmp_path, monkeypatch):
     assert tokenizer.eos_token_ids == expected.eos_token_ids
 
 
+def test_an_auto_map_is_refused_only_when_its_class_needs_code(tmp_path):
+    """tokenizer_config.json's auto_map names code; transformers runs it only for a tokenizer_class it does not
+    ship. Such a source is refused before anything is written (squishlike copies no code: no store of it could
+    build its tokenizer); one whose class transformers ships compresses and loads as without the auto_map."""
+    from squishlike.errors import FormatError
+
+    tokenizer_dir = make_tokenizer(tmp_path / "tok")
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoTokenizer": ["custom_tok.CustomTokenizer", None]}
+    config_file.write_text(json.dumps(config))  # its tokenizer_class is transformers' own
+    source = make_hf_model(tmp_path / "src", TINY_CONFIGS["llama"], tokenizer_dir)
+    store = squishlike.compress(source, tmp_path / "store", format="int8", tiers=("mlx",))
+    assert squishlike.load(store)[1].encode(CORPUS[2]) == load_tokenizer(source, ARGUMENTS).encode(CORPUS[2])
+
+    config["tokenizer_class"] = "CustomTokenizer"
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError, match="custom_tok.CustomTokenizer") as refused:
+        squishlike.compress(source, tmp_path / "refused", format="int8")
+    assert str(source) in str(refused.value)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_damaged_or_hostile_facts_fall_back(tokenizers, tmp_path):
     directory = shutil.copytree(tokenizers["tiny"][0], tmp_path / "tiny")
     facts_file = directory / fast_tokenizer.FACTS_FILE

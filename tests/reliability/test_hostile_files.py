@@ -7,7 +7,7 @@ tiers), export (an HF directory), the case's own action and load. So a crash, a 
 data's size fails the case instead of the test run. Whatever an entry point does with a hostile file, it either
 raises a squishlike.errors type or gives the right answer (a load of a hostile npy-dir that succeeds, by
 rebuilding a damaged cache, gives the clean weights; compress and export either name the file, or write exactly
-what they write from the clean source: 153 cases refused, 30 written clean, 2 known gaps in WRITER_GAPS); and
+what they write from the clean source: 155 cases refused, 30 written clean); and
 where nothing succeeded, nothing on disk changed (compress and export write to a scratch directory outside it).
 """
 
@@ -96,16 +96,7 @@ def test_hostile_file_gets_a_typed_error_naming_it(case, base, outcomes):
         assert tree_state(d) == before, "a failed load changed the files on disk"
 
 
-# What load refuses by building the mlx_lm model or the tokenizer, which compress and export do not do yet.
-WRITER_GAPS = {
-    "st-tensor-shape-wrong-for-its-role": "no shape check against the architecture outside the model build",
-    "tokenizer-config-names-custom-code": "the tokenizer's custom code is refused only by transformers at load",
-}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
-    reason=WRITER_GAPS[c.name], strict=True)) if c.name in WRITER_GAPS else c for c in CASES],
-    ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_compress_and_export_refuse_it_or_write_the_clean_output(case, base, outcomes, clean_outputs):
     """compress and export either refuse the file naming it, as the case's own entry point must (their typed
     errors are checked with the others above), or write exactly what they write from the clean source."""
