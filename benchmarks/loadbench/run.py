@@ -113,13 +113,15 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     for key, label, loader, path, tier, files in loads:
         if key in ("mlx_lm", "int4", "mlx", "finalized"):
             configs.append(Config(f"inproc-{key}", f"in-process: {label}", "inproc", _in_process(loader, path, tier),
-                                  files=files, weight_bytes=in_memory[key], baseline="inproc-mlx_lm"))
+                                  files=files, weight_bytes=in_memory[key], prime=in_memory[key] + slack,
+                                  baseline="inproc-mlx_lm"))
     if generate:
         for key, label, loader, path in [("ttft-mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source),
                                          ("ttft-default", "squishlike, default tier (int4 store)", "squishlike",
                                           int4)]:
             configs.append(Config(key, f"to first token: {label}", "ttft", _to_first_token(loader, path, generate),
-                                  files=src_files, weight_bytes=src_bytes, baseline="ttft-mlx_lm"))
+                                  files=src_files, weight_bytes=src_bytes, prime=src_bytes + slack,
+                                  baseline="ttft-mlx_lm"))
     if not quick:
         mlx_files = tier_files(int8, "mlx")
         configs.append(Config("floor-4k-mlx", "memory floor, 4 KiB pages: mlx tier bytes", "floor",
