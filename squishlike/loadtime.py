@@ -11,7 +11,8 @@ process would hide the imports and reuse memory, which is not what a user who st
 
 Two more ways to run the child, for the figures users feel (issue: load speed where users feel it):
 `--in-process` imports mlx_lm before the clock starts, as a server or notebook that switches models has, so its
-load_s is the in-process load; `--generate N` then streams N tokens greedily from a fixed 64-token prompt and
+load_s is the in-process load (`--dropped-bytes N`: after holding and dropping N bytes of MLX memory, as such a
+process has just dropped the model it switches from); `--generate N` then streams N tokens greedily from a fixed 64-token prompt and
 reports the first token's moment (first_token_s from spawn: time to first token) and the tokens/s after it.
 """
 
@@ -70,15 +71,18 @@ def run_child(argv: list[str], env: dict[str, str] | None = None) -> dict[str, A
 
 
 def measure_load(path: str | Path, *, loader: str = "squishlike", tier: str | None = None, forward: bool = False,
-                 in_process: bool = False, generate: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
+                 in_process: bool = False, dropped_bytes: int = 0, generate: int = 0,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
     """Load `path` in a fresh process; return wall seconds (spawn to model and tokenizer ready), the child's
     phase timings (import_s, load_s, weights_s, tokenizer_s for mlx_lm, forward_s) and memory (rss_start,
-    rss_after_import, rss_peak bytes). `in_process`: mlx_lm is imported before load_s starts. `generate`: that
+    rss_after_import, rss_peak bytes). `in_process`: mlx_lm is imported before load_s starts, and `dropped_bytes`
+    of MLX memory held and dropped (the model a process switching models drops first). `generate`: that
     many tokens from a 64-token prompt after the load (first_token_s from spawn, tokens_per_s after it)."""
     if loader not in LOADERS:
         raise ValueError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
     argv = ["-m", "squishlike.loadtime", loader, str(path)] + (["--tier", tier] if tier else [])
     argv += (["--forward"] if forward else []) + (["--in-process"] if in_process else [])
+    argv += ["--dropped-bytes", str(dropped_bytes)] if in_process and dropped_bytes else []
     return run_child(argv + (["--generate", str(generate)] if generate else []), env)
 
 
@@ -121,9 +125,22 @@ def _generate(model, tokenizer, tokens: int) -> dict[str, Any]:
     return {"first_token_at": moments[0], "generated": len(moments), "tokens_per_s": rate}
 
 
-def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_process: bool = False,
+def _drop_a_model(nbytes: int) -> None:
+    """Hold and drop `nbytes` of MLX memory, as a process that switches models has just dropped the last one: the
+    load that follows meets recently used memory, as it would there, not free pages the host has taken back (which
+    fault in several times slower on a VM: docs/design.md §2.2)."""
+    import mlx.core as mx
+
+    previous = mx.zeros((-(-nbytes >> 20), 1 << 20), mx.uint8)  # whole MiB: a dimension is an int32
+    mx.eval(previous)
+    del previous
+    mx.clear_cache()
+
+
+def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_process: int | None = None,
                    generate: int = 0) -> dict[str, Any]:
-    """In the fresh process: import, load eagerly, tokenizer ready; then, apart, one forward pass or a generation."""
+    """In the fresh process: import, load eagerly, tokenizer ready; then, apart, one forward pass or a generation.
+    `in_process`: None for a fresh process's load, else the bytes of the model dropped before it (_drop_a_model)."""
     t0 = time.monotonic()
     rss_start = rss_now()
     import mlx.core as mx
@@ -143,8 +160,11 @@ def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_p
         logger.addHandler(log)
         logger.setLevel(logging.DEBUG)
         phases = log.phases
-    if in_process:
+    if in_process is not None:
         import mlx_lm  # noqa: F401  what a process that switches models has imported already
+
+        if in_process:
+            _drop_a_model(in_process)
     t_import = time.monotonic()
     rss_import = rss_now()
     model, tokenizer = load(path) if loader == "mlx_lm" else load(path, tier=tier)
@@ -177,11 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tier")
     parser.add_argument("--forward", action="store_true", help="time a first forward pass after the load")
     parser.add_argument("--in-process", action="store_true", help="import mlx_lm before the load's clock starts")
+    parser.add_argument("--dropped-bytes", type=int, default=0, metavar="N",
+                        help="with --in-process: first hold and drop N bytes of MLX memory (the model switched from)")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="then generate N tokens from a 64-token prompt (time to first token, tokens/s)")
     args = parser.parse_args(argv)
-    print(json.dumps(_load_in_child(args.loader, args.path, args.tier, args.forward, args.in_process,
-                                    args.generate)))
+    in_process = args.dropped_bytes if args.in_process else None
+    print(json.dumps(_load_in_child(args.loader, args.path, args.tier, args.forward, in_process, args.generate)))
 
 
 if __name__ == "__main__":

@@ -53,10 +53,11 @@ WARM_KEYS = ("mlx_lm", "int4", "int8", "mlx", "finalized", "cold-tier-int8", "co
 QUICK_KEYS = ("mlx_lm", "int4", "int8", "mlx", "finalized", "cold-tier-int4")
 
 
-def _in_process(loader: str, path: Path, tier: str | None):
-    """A run of the in-process figure: load() timed after mlx_lm is imported (its wall_s is that load)."""
+def _in_process(loader: str, path: Path, tier: str | None, dropped_bytes: int):
+    """A run of the in-process figure: load() timed after mlx_lm is imported and a model of `dropped_bytes` was
+    dropped, as a process that switches models has (its wall_s is that load)."""
     def once() -> dict:
-        report = measure_load(path, loader=loader, tier=tier, in_process=True)
+        report = measure_load(path, loader=loader, tier=tier, in_process=True, dropped_bytes=dropped_bytes)
         return {**report, "process_s": report["wall_s"], "wall_s": report["load_s"]}
     return once
 
@@ -112,9 +113,9 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
                           lambda: _probe(["startup", str(source)]), baseline="mlx_lm"))
     for key, label, loader, path, tier, files in loads:
         if key in ("mlx_lm", "int4", "mlx", "finalized"):
-            configs.append(Config(f"inproc-{key}", f"in-process: {label}", "inproc", _in_process(loader, path, tier),
-                                  files=files, weight_bytes=in_memory[key], prime=in_memory[key] + slack,
-                                  baseline="inproc-mlx_lm"))
+            configs.append(Config(f"inproc-{key}", f"in-process: {label}", "inproc",
+                                  _in_process(loader, path, tier, in_memory[key] + slack),
+                                  files=files, weight_bytes=in_memory[key], baseline="inproc-mlx_lm"))
     if generate:
         for key, label, loader, path in [("ttft-mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source),
                                          ("ttft-default", "squishlike, default tier (int4 store)", "squishlike",
