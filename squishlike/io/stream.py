@@ -168,15 +168,19 @@ class StreamWriter:
             raise self._error
 
     def abort(self) -> None:
-        """Stop without finishing (the caller removes the file)."""
+        """Stop without finishing (the caller removes the file). The hashing thread is told to stop, not waited
+        for: a Ctrl-C that lands between a `with self._cond:`'s acquire and its body leaves this thread holding
+        the lock (CPython does not promise `__exit__` against such an interrupt), and a hashing thread woken to
+        finish would wait for it forever. Seen in CI: a first load interrupted inside a tier write, hung."""
         with contextlib.suppress(BaseException):
-            self._stop()
+            self._stop(wait_for_hashing=False)
 
-    def _stop(self) -> None:
+    def _stop(self, wait_for_hashing: bool = True) -> None:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._hasher.join()
+        if wait_for_hashing:
+            self._hasher.join()
         if self.direct:
             self._writer.shutdown(wait=True)
             if self._buffers:

@@ -156,6 +156,27 @@ def test_ctrl_c_between_a_temp_and_its_owner_leaves_no_temp(lab):
     assert_survived(records, "runs interrupted just after making a temp directory")
 
 
+# What a Ctrl-C landing between a `with lock:`'s acquire and its body leaves behind (CPython does not promise
+# __exit__ then): the interrupted thread still holds the lock. A random SIGINT in CI hit it inside a tier write, and
+# the writer's abort then waited forever for a hashing thread that needed that lock.
+_ABORT_WITH_A_LEAKED_LOCK = """
+import sys
+import numpy as np
+from squishlike.io.stream import StreamWriter
+writer = StreamWriter(sys.argv[1])
+writer.write(np.ones(64 << 20, np.uint8))
+writer._cond.acquire()  # never released, as after the interrupted `with self._cond:`
+writer.abort()
+print("aborted")
+"""
+
+
+def test_an_interrupted_writer_aborts_although_the_interrupt_left_its_lock_held(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _ABORT_WITH_A_LEAKED_LOCK, str(tmp_path / "part")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "aborted", done.stderr[-2000:]
+
+
 def test_ctrl_c_in_the_cli_exits_130_and_says_so(lab, tmp_path):
     out = tmp_path / "out"
     r = lab.server.run({"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--format", "int4"],

@@ -185,6 +185,9 @@ def _status(raw: int) -> dict:
     return {"signal": None, "code": os.WEXITSTATUS(raw)}
 
 
+HANG_LIMIT = 120  # seconds a child may take to stop after a signal it can catch (SIGINT) before it counts as hung
+
+
 def _serve_one(job: dict) -> dict:
     started = time.monotonic()
     pid = os.fork()
@@ -204,6 +207,17 @@ def _serve_one(job: dict) -> dict:
                 killed = True
                 break
             time.sleep(min(0.002, max(0.0, deadline - time.monotonic())))
+        # A child that catches the signal must still stop: one that hangs is killed and reported, so the test
+        # fails naming the trial instead of waiting forever.
+        give_up = time.monotonic() + HANG_LIMIT
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < give_up:
+            time.sleep(0.01)
+        if not done[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return {"signal": None, "code": None, "hung": True, "killed_by_us": True,
+                    "elapsed": time.monotonic() - started}
+        return {**_status(done[1]), "killed_by_us": True, "elapsed": time.monotonic() - started}
     _, raw = os.waitpid(pid, 0)
     return {**_status(raw), "killed_by_us": killed, "elapsed": time.monotonic() - started}
 
@@ -557,7 +571,9 @@ class CrashLab:
         result = json.loads((d / "result.json").read_text()) if (d / "result.json").exists() else None
         rec["result"] = result
         rec["killed"] = r["signal"] is not None
-        if r["signal"] is None and r["code"] not in (0, 130):
+        if r.get("hung"):
+            problems.append(f"compress did not stop within {HANG_LIMIT} s of the signal (killed): {result}")
+        elif r["signal"] is None and r["code"] not in (0, 130):
             problems.append(f"compress failed instead of dying: {result}")
         if tree_digest(self.src) != self.src_digest:
             problems.append("the source model changed")
@@ -610,7 +626,9 @@ class CrashLab:
         result = json.loads((d / "result.json").read_text()) if (d / "result.json").exists() else None
         rec["result"] = result
         rec["killed"] = r["signal"] is not None
-        if r["signal"] is None and r["code"] == 0 and result["digest"] != self.weights:
+        if r.get("hung"):
+            problems.append(f"load did not stop within {HANG_LIMIT} s of the signal (killed): {result}")
+        elif r["signal"] is None and r["code"] == 0 and result["digest"] != self.weights:
             problems.append(f"the load itself returned other weights (tier {result['tier']})")
         elif r["signal"] is None and r["code"] not in (0, 130):
             problems.append(f"load failed instead of dying: {result}")
