@@ -33,6 +33,7 @@ PRIVATE_APIS = [
         ["architecture", "tokenizer_dict"],
     ),
     ("transformers", "transformers.integrations.gguf.gguf_tokenizer_mapping", "GGUF_TOKENIZER_MAPPING", None),
+    ("transformers", "transformers.models.auto.tokenization_auto", "tokenizer_class_from_name", ["class_name"]),
 ]
 
 
