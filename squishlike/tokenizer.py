@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerFast
 from .errors import FormatError
 from .io.atomic import write_json
 from .io.checksum import file_checksum
-from .io.files import read_bytes
+from .io.files import read_json, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,10 @@ def custom_code(directory: Path) -> str | None:
     """The custom tokenizer class that `directory`'s tokenizer_config.json needs code for (its auto_map's
     AutoTokenizer entry, when the tokenizer_class it names is not one transformers ships), or None."""
     try:
-        config = json.loads(read_bytes(Path(directory) / "tokenizer_config.json", directory))
-    except (FormatError, ValueError, RecursionError):  # absent or unreadable: the tokenizer build says what is wrong
+        config = read_json_object(Path(directory) / "tokenizer_config.json", directory)
+    except FormatError:  # absent, unreadable, not an object: the tokenizer build says what is wrong
         return None
-    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    auto_map = config.get("auto_map")
     entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
     if not entry:
         return None
@@ -133,8 +133,8 @@ def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eo
 
 def _read_facts(directory: Path, key: str) -> dict | None:
     try:
-        facts = json.loads(read_bytes(directory / FACTS_FILE, directory))  # never a FIFO: it would block
-    except (FormatError, ValueError, RecursionError):  # missing, not a regular file, not JSON: work them out again
+        facts = read_json(directory / FACTS_FILE, directory)  # never a FIFO: it would block
+    except FormatError:  # missing, not a regular file, not JSON: work them out again
         return None
     return facts if isinstance(facts, dict) and facts.get("key") == key else None
 
