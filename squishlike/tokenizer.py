@@ -13,6 +13,12 @@ and wrapper state. `load` rebuilds from the facts, keyed by a hash of the tokeni
 and of the library versions, so a stale file is ignored. Without usable facts (a tokenizer the fast path cannot
 show identical, a source that is not a store) `load` takes mlx_lm's path, with a debug-level log saying why; a load
 never writes.
+
+The facts are data, never code, whoever wrote the file: `build` reads them with a strict parser (`_parse`) that
+knows a fixed schema. The only objects a facts file can name are those of a closed table (OBJECTS: the streaming
+detokenizer classes and the tool parsers mlx_lm ships), in the two places mlx_lm keeps one; attribute names never
+shadow a method, property or class-level callable; nothing names a file. Anything else is a FormatError naming
+the file.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import hashlib
 import importlib
 import json
 import logging
+import pkgutil
 from pathlib import Path
 from types import FunctionType
 from typing import Any
@@ -29,7 +36,9 @@ import mlx_lm
 import tokenizers
 import transformers
 from huggingface_hub import is_offline_mode
-from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
+import mlx_lm.tool_parsers
+from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer, NaiveStreamingDetokenizer, SPMStreamingDetokenizer,
+                                    TokenizerWrapper)
 from mlx_lm.utils import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, models
 from transformers import PreTrainedTokenizerFast
@@ -53,6 +62,15 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 # Attributes rebuilt rather than kept: the backend, the detokenizer's token map, the objects that hold the
 # tokenizer. _vocab and _merges are what model-specific __init__s build their backend from; nothing reads them after.
 _REBUILT = ("_tokenizer", "_detokenizer", "tokenmap", "_vocab", "_merges")
+# The only objects a facts file may name: mlx_lm's streaming detokenizers (the class the detokenizer is) and the
+# tool parsers it ships (the wrapper's _tool_parser), by the names `_encode` writes. The parsers' modules are listed
+# here without being imported; `_decode` imports the one a file names.
+DETOKENIZERS = {f"{c.__module__}:{c.__qualname__}": c
+                for c in (NaiveStreamingDetokenizer, SPMStreamingDetokenizer, BPEStreamingDetokenizer)}
+TOOL_PARSERS = {f"{mlx_lm.tool_parsers.__name__}.{m.name}:parse_tool_call"
+                for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
+FACTS_KEYS = ("skeleton", "vocab", "merges", "bpe_options", "added_tokens", "tokenizer", "detokenizer_class",
+              "detokenizer", "detokenizer_rebuilt", "wrapper")
 
 
 class NotIdentical(Exception):
@@ -69,9 +87,11 @@ def load(
     if facts is not None:
         try:
             return build(directory, facts)
-        except Exception as e:  # a damaged file: tokenizers raises a bare Exception for bad JSON
-            log.debug("%s: %s unusable (%s: %s); loading the tokenizer through mlx_lm", directory, FACTS_FILE,
-                      type(e).__name__, e)
+        except FormatError:  # facts that break the schema: a tampered file, never half-used
+            raise
+        except Exception as e:  # tokenizers raises a bare Exception for a skeleton it cannot read
+            log.warning("%s: %s unusable (%s: %s); loading the tokenizer through mlx_lm", directory, FACTS_FILE,
+                        type(e).__name__, e)
     else:
         log.debug("%s: no %s for these tokenizer files and arguments; loading through mlx_lm", directory, FACTS_FILE)
     return load_tokenizer(directory, tokenizer_config_extra or {}, eos_token_ids=eos_token_ids)
@@ -140,7 +160,9 @@ def _read_facts(directory: Path, key: str) -> dict | None:
 
 
 def build(directory: Path, facts: dict) -> TokenizerWrapper:
-    """The TokenizerWrapper the facts describe (see work_out_facts), without scanning the vocabulary."""
+    """The TokenizerWrapper the facts describe (see work_out_facts), without scanning the vocabulary; FormatError
+    naming FACTS_FILE when they break its schema (see _parse)."""
+    facts = _parse(directory / FACTS_FILE, facts)
     backend = Tokenizer.from_str(facts["skeleton"])
     tokens = facts["vocab"]
     ids = facts["merges"]
@@ -154,7 +176,7 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     for fields in facts["added_tokens"]:
         added = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
         (backend.add_special_tokens if added.special else backend.add_tokens)([added])
-    state = _decode(facts["tokenizer"])
+    state = facts["tokenizer"]
     init_kwargs = state["init_kwargs"]
     state["name_or_path"] = init_kwargs["name_or_path"] = str(directory)
     if init_kwargs["local_files_only"] is None:  # as from_pretrained: the caller's value, else offline mode's
@@ -165,9 +187,9 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     # Then exactly the attributes mlx_lm's tokenizer ended with, those its class's own __init__ set included.
     tokenizer.__dict__.update(state)
 
-    detokenizer_class = _decode(facts["detokenizer_class"])
+    detokenizer_class = facts["detokenizer_class"]
     detokenizer = detokenizer_class.__new__(detokenizer_class)
-    detokenizer.__dict__.update(_decode(facts["detokenizer"]))
+    detokenizer.__dict__.update(facts["detokenizer"])
     if "_tokenizer" in facts["detokenizer_rebuilt"]:
         detokenizer._tokenizer = tokenizer
     if "tokenmap" in facts["detokenizer_rebuilt"]:
@@ -175,8 +197,77 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     detokenizer.reset()
 
     wrapper = TokenizerWrapper.__new__(TokenizerWrapper)
-    wrapper.__dict__.update(_decode(facts["wrapper"]), _tokenizer=tokenizer, _detokenizer=detokenizer)
+    wrapper.__dict__.update(facts["wrapper"], _tokenizer=tokenizer, _detokenizer=detokenizer)
     return wrapper
+
+
+def _parse(path: Path, facts: Any) -> dict[str, Any]:
+    """The facts as `build` uses them (the three objects' attributes decoded, the detokenizer class looked up),
+    checked against the schema: FormatError naming `path` and the first thing wrong."""
+
+    def check(ok: bool, problem: str) -> None:
+        if not ok:
+            raise FormatError(path, f"{problem}; not a facts file squishlike wrote")
+
+    # "key" (which files and arguments the facts are for) is the file's, checked by _read_facts before this.
+    check(isinstance(facts, dict) and set(facts) - {"key"} == set(FACTS_KEYS), f"holds other keys than {FACTS_KEYS}")
+    tokens, ids = facts["vocab"], facts["merges"]
+    check(isinstance(facts["skeleton"], str), "skeleton is not a string")
+    check(isinstance(tokens, list) and all(isinstance(t, str) for t in tokens), "vocab is not a list of strings")
+    check(isinstance(ids, list) and len(ids) % 2 == 0
+          and all(type(i) is int and 0 <= i < len(tokens) for i in ids), "merges are not pairs of vocabulary ids")
+    options = facts["bpe_options"]
+    check(isinstance(options, dict) and set(options) <= set(_BPE_OPTIONS)
+          and all(_is_scalar(v) for v in options.values()), f"bpe_options are not among {_BPE_OPTIONS}")
+    added = facts["added_tokens"]
+    check(isinstance(added, list) and all(
+        isinstance(t, dict) and set(t) <= {"id", *_ADDED_TOKEN_FIELDS} and isinstance(t.get("content"), str)
+        and all(_is_scalar(v) for v in t.values()) for t in added), "added_tokens are not plain token records")
+    rebuilt = facts["detokenizer_rebuilt"]
+    check(isinstance(rebuilt, list) and set(rebuilt) <= set(_REBUILT), f"detokenizer_rebuilt is not among {_REBUILT}")
+    detokenizer_class = _decode(facts["detokenizer_class"], path, "detokenizer_class", DETOKENIZERS.keys())
+    check(detokenizer_class in DETOKENIZERS.values(), "detokenizer_class is not one of mlx_lm's detokenizers")
+    state = _attributes(path, "tokenizer", facts["tokenizer"], PreTrainedTokenizerFast)
+    init_kwargs = state.get("init_kwargs")
+    check(isinstance(init_kwargs, dict) and all(isinstance(k, str) for k in init_kwargs),
+          "tokenizer.init_kwargs is not a table of keyword arguments")
+    for where, table in (("tokenizer", state), ("tokenizer.init_kwargs", init_kwargs)):
+        named = [k for k, v in table.items() if v is not None and _names_a_file(k)]
+        check(not named, f"{where} names a file ({', '.join(named)})")
+    return {**facts, "detokenizer_class": detokenizer_class, "tokenizer": state,
+            "detokenizer": _attributes(path, "detokenizer", facts["detokenizer"], detokenizer_class),
+            # The wrapper hands what it does not define to the tokenizer: a name either defines is never data.
+            "wrapper": _attributes(path, "wrapper", facts["wrapper"], TokenizerWrapper, PreTrainedTokenizerFast,
+                                   objects=TOOL_PARSERS,
+                                   object_attribute="_tool_parser")}
+
+
+def _attributes(path: Path, where: str, value: Any, *classes: type, objects: Any = (),
+                object_attribute: str | None = None) -> dict[str, Any]:
+    """An object's attributes: plain identifiers that are not among _REBUILT and never shadow what `classes` (or
+    classes above them) define as a method, property or other callable; values are data, except
+    `object_attribute`, which may name one of `objects`."""
+    if not (isinstance(value, dict) and set(value) == {"dict"} and isinstance(value["dict"], list)
+            and all(isinstance(item, list) and len(item) == 2 for item in value["dict"])):
+        raise FormatError(path, f"{where} is not a table of attributes")
+    attributes = {}
+    for name, item in value["dict"]:
+        shadowed = [getattr(c, name, None) for c in classes] if isinstance(name, str) else []
+        if (not isinstance(name, str) or not name.isidentifier() or name.startswith("__") or name in _REBUILT
+                or any(callable(c) or hasattr(c, "__get__") for c in shadowed)):
+            raise FormatError(path, f"{where} sets attribute {name!r}, which no {classes[0].__name__} of mlx_lm's "
+                                    "holds as data")
+        attributes[name] = _decode(item, path, f"{where}.{name}", objects if name == object_attribute else ())
+    return attributes
+
+
+def _names_a_file(key: str) -> bool:
+    """Whether a tokenizer keyword argument or attribute tells transformers to read a file or take an object."""
+    return key.endswith(("_file", "_files", "_path", "_object")) and key != "name_or_path"
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def work_out_facts(directory: Path, wrapper: TokenizerWrapper, tokenizer_config_extra: dict[str, Any]) -> dict:
@@ -288,36 +379,38 @@ def _encode(value: Any) -> Any:
     if isinstance(value, dict):
         return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
     qualified = f"{getattr(value, '__module__', '')}:{getattr(value, '__qualname__', '')}"
-    try:
-        if _decode({"object": qualified}) is value:
-            return {"object": qualified}
-    except (ImportError, AttributeError, ValueError):
-        pass
+    if qualified in DETOKENIZERS.keys() | TOOL_PARSERS:  # _parse checks each is where mlx_lm keeps one
+        return {"object": qualified}
     raise NotIdentical(f"cannot keep {value!r} as JSON")
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: Any, path: Path, where: str, objects: Any = ()) -> Any:
+    """A value `_encode` wrote, restored; FormatError naming `path` and `where` for any other. Only names among
+    `objects` are looked up, and only there."""
     if isinstance(value, list):
-        return [_decode(v) for v in value]
+        return [_decode(v, path, where) for v in value]
     if not isinstance(value, dict):
         return value
+    if len(value) != 1:
+        raise FormatError(path, f"{where}: {sorted(value)} is not one tagged value")
     (tag, content), = value.items()
-    if tag == "tuple":
-        return tuple(_decode(v) for v in content)
-    if tag == "set":
-        return {_decode(v) for v in content}
-    if tag == "bytes":
-        return bytes.fromhex(content)
-    if tag == "added_token":
-        return AddedToken(**content)
-    if tag == "dict":
-        return {_decode(k): _decode(v) for k, v in content}
-    if tag == "object":
+    try:
+        if tag == "tuple":
+            return tuple(_decode(v, path, where) for v in content)
+        if tag == "set":
+            return {_decode(v, path, where) for v in content}
+        if tag == "bytes":
+            return bytes.fromhex(content)
+        if tag == "added_token":
+            if not (isinstance(content, dict) and set(content) <= set(_ADDED_TOKEN_FIELDS)
+                    and all(_is_scalar(v) for v in content.values())):
+                raise FormatError(path, f"{where}: not an added token's fields")
+            return AddedToken(**content)
+        if tag == "dict":
+            return {_decode(k, path, where): _decode(v, path, where) for k, v in content}
+    except (TypeError, ValueError) as e:  # a content of the wrong shape; FormatError is a ValueError
+        raise e if isinstance(e, FormatError) else FormatError(path, f"{where}: malformed {tag} ({e})") from None
+    if tag == "object" and content in objects:
         module, _, name = content.partition(":")
-        if module.partition(".")[0] != "mlx_lm":  # as mlx_lm itself, import only its own parsers and templates
-            raise ValueError(f"{content} is not mlx_lm's")
-        obj = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        return obj
-    raise ValueError(f"unknown tag {tag!r}")
+        return getattr(importlib.import_module(module), name)
+    raise FormatError(path, f"{where}: {tag!r} {content!r} is not a value a facts file may hold")

@@ -6,10 +6,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import DirectoryBusyError
+from ..errors import DirectoryBusyError, FormatError
 from .fault import fault_point
 
 LOCK_NAME = ".squishlike.lock"
@@ -25,7 +26,7 @@ class DirectoryLock:
 
     def acquire(self, blocking: bool = True) -> bool:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except OSError as e:
@@ -43,6 +44,20 @@ class DirectoryLock:
             self.release()
             raise
         return True
+
+    def _open(self) -> int:
+        """The lock file, created if absent; never through a link (a planted one would make us create or write its
+        target, outside the directory) and never a FIFO or device."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            problem = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot open ({e.strerror})"
+            raise FormatError(self.path, f"{problem}; refusing to lock through it") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FormatError(self.path, "is not a regular file; refusing to lock through it")
+        return fd
 
     def _is_current(self, fd: int) -> bool:
         try:

@@ -217,20 +217,50 @@ def test_an_auto_map_is_refused_only_when_its_class_needs_code(tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
-def test_damaged_or_hostile_facts_fall_back(tokenizers, tmp_path):
+def test_damaged_facts_fall_back(tokenizers, tmp_path):
     directory = shutil.copytree(tokenizers["tiny"][0], tmp_path / "tiny")
     facts_file = directory / fast_tokenizer.FACTS_FILE
     facts = json.loads(facts_file.read_text())
     expected = load_tokenizer(directory, ARGUMENTS)
-    for damaged in (
-        {**facts, "skeleton": "{not json"},
-        {**facts, "merges": facts["merges"][:-1] + [10**9]},
-        # A store must not name what a load calls: here a tool parser that mlx_lm would call on model output.
-        {**facts, "wrapper": {"dict": [[k, {"object": "os:system"} if k == "_tool_parser" else v]
-                                       for k, v in facts["wrapper"]["dict"]]}},
-    ):
-        facts_file.write_text(json.dumps(damaged))
-        tokenizer = fast_tokenizer.load(directory, ARGUMENTS)
-        assert type(tokenizer.detokenizer) is type(expected.detokenizer)
-        assert tokenizer.tool_parser is expected.tool_parser
-        assert tokenizer.encode(CORPUS[8]) == expected.encode(CORPUS[8])
+    facts_file.write_text(json.dumps({**facts, "skeleton": "{not json"}))
+    tokenizer = fast_tokenizer.load(directory, ARGUMENTS)
+    assert type(tokenizer.detokenizer) is type(expected.detokenizer)
+    assert tokenizer.encode(CORPUS[8]) == expected.encode(CORPUS[8])
+
+
+def _attribute(facts: dict, part: str, name: str, value) -> dict:
+    return {**facts, part: {"dict": [*facts[part]["dict"], [name, value]]}}
+
+
+def test_facts_that_name_code_or_files_are_refused(tokenizers, tmp_path):
+    """The exploits of issue 22: a facts file naming a callable (through mlx_lm's modules or any other), shadowing
+    a method, or naming a file to read; each a FormatError naming the facts file, nothing called or read."""
+    from squishlike.errors import FormatError
+
+    directory = shutil.copytree(tokenizers["tiny"][0], tmp_path / "tiny")
+    facts_file = directory / fast_tokenizer.FACTS_FILE
+    facts = json.loads(facts_file.read_text())
+    outside = tmp_path / "outside.json"
+    shutil.copy(directory / "tokenizer.json", outside)
+    with_parser = lambda name: {**facts, "wrapper": {"dict": [  # noqa: E731
+        [k, {"object": name} if k == "_tool_parser" else v] for k, v in facts["wrapper"]["dict"]]}}
+    hostile = {
+        "tool parser os.system": with_parser("os:system"),
+        "tool parser exec via mlx_lm": with_parser("mlx_lm.utils:json.__builtins__.exec"),
+        "detokenizer class os.abort via mlx_lm": {**facts, "detokenizer_class": {"object": "mlx_lm.utils:os.abort"}},
+        "an object in the tokenizer's state": _attribute(facts, "tokenizer", "x", {"object": "os:system"}),
+        "encode shadowed": _attribute(facts, "wrapper", "encode", "x"),
+        "reset shadowed": _attribute(facts, "detokenizer", "reset", 1),
+        "decode shadowed": _attribute(facts, "tokenizer", "decode", None),
+        "a dunder": _attribute(facts, "tokenizer", "__class__", "x"),
+        "a tokenizer_file": {**facts, "tokenizer": {"dict": [
+            [k, {"dict": [*v["dict"], ["tokenizer_file", str(outside)]]} if k == "init_kwargs" else v]
+            for k, v in facts["tokenizer"]["dict"]]}},
+        "an unknown key": {**facts, "extra": 1},
+        "an unknown tag": {**facts, "detokenizer": {"pickle": "80"}},
+    }
+    for what, content in hostile.items():
+        facts_file.write_text(json.dumps(content))
+        with pytest.raises(FormatError, match=fast_tokenizer.FACTS_FILE):
+            fast_tokenizer.load(directory, ARGUMENTS)
+            pytest.fail(f"{what}: accepted")
