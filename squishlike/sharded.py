@@ -35,6 +35,7 @@ import numpy as np
 
 from .errors import FormatError, MissingTensorError
 from .hub import resolve
+from .io.checksum import check_files
 from .npydir import MANIFEST, NpyDir
 
 if TYPE_CHECKING:
@@ -70,25 +71,33 @@ def sharded_load(
     *,
     tokenizer_config: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
+    verify: bool | None = None,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """This rank's share of the model and the tokenizer; same arguments and result as `mlx_lm.sharded_load`.
 
     With neither group, tensor parallelism over `mx.distributed.init()` where the model has `shard()`, else
     pipeline parallelism. An npy-dir is read slice by slice and its share cached per layout; any other source
     squishlike.load reads (HF, MLX, GGUF, Ollama) is read tensor by tensor (only the stage's, when pipelined), an
-    MLX-quantized one kept quantized as mlx_lm keeps it."""
+    MLX-quantized one kept quantized as mlx_lm keeps it.
+
+    An npy-dir's side files are checked on every launch, as `squishlike.load` checks them; `verify=True` (or
+    SQUISHLIKE_VERIFY=1) also checks every hash of the store's files before reading slices of them, and of a
+    cached share before loading it (a damaged share is then rebuilt)."""
     import mlx.core as mx
 
     from .model import model_tokenizer
+    from .tiers import verify_wanted
 
     path = resolve(path_or_hf_repo)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if NpyDir.is_npydir(path):
             store = NpyDir(path)
+            verify = verify_wanted(verify)
+            store.check_side_files(verify)
             config, side_files, source = store.config(), store.path, store.path
             plan = plan_shards(config, store.path, pipeline_group, tensor_group, trust_remote_code)
-            weights, tier, nbytes = _store_weights(store, plan)
+            weights, tier, nbytes = _store_weights(store, plan, verify)
         else:
             from mlx_lm.utils import load_config
 
@@ -227,9 +236,10 @@ def _probe(new_model: Callable[[], nn.Module], split: Callable[[nn.Module], dict
     return probes(thin=False)
 
 
-def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str, int]:
-    """The rank's weights from its cached share when ready, else read slice by slice and cached.
-    Returns (weights by mlx_lm name, the tier that served them, stored bytes read)."""
+def _store_weights(store: NpyDir, plan: Plan, verify: bool = False) -> tuple[dict[str, mx.array], str, int]:
+    """The rank's weights from its cached share when ready, else read slice by slice and cached; `verify`: each
+    file checked against every hash recorded first. Returns (weights by mlx_lm name, the tier that served them,
+    stored bytes read)."""
     from .dtypes import to_mx
     from .npydir.slices import SliceReader
     from .tiers.base import mlx_names
@@ -241,13 +251,17 @@ def _store_weights(store: NpyDir, plan: Plan) -> tuple[dict[str, mx.array], str,
             raise MissingTensorError(store.path / MANIFEST, name, "the model needs it and the store has no such tensor")
     shapes = {name: _kept_shape(store.entry(canonical[name]).shape, s) for name, s in plan.kept.items()}
     tier = RankTier(plan.key, plan.fingerprint, shapes)
-    if tier.ready(store)[0] is not None:
+    if (payload := tier.ready(store)[0]) is not None:
         try:
+            if verify:
+                check_files((store.path / tier.sentinel).parent, payload["files"], every=True)
             return tier.load(store).weights, tier.name, tier.nbytes(store)
         except (FormatError, OSError, ValueError, RuntimeError) as e:
             warnings.warn(f"{store.path / tier.sentinel}: unreadable ({e}); reading the store and rebuilding it")
             with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
                 tier.invalidate(store)
+    if verify:
+        check_files(store.path, store.file_records(), every=True)
     reader = SliceReader(store)
     dense = {}
     for name, selection in plan.kept.items():

@@ -47,10 +47,11 @@ from .errors import FormatError
 from .io.atomic import write_json
 from .io.checksum import file_checksum
 from .io.files import read_json, read_json_object
+from .npydir.store import TOKENIZER_FACTS
 
 log = logging.getLogger(__name__)
 
-FACTS_FILE = "squishlike_tokenizer.json"
+FACTS_FILE = TOKENIZER_FACTS
 # Every file mlx_lm's path reads for a local directory (config.json names the model's tokenizer defaults).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -20,13 +20,17 @@ import numpy as np
 
 from .. import quant
 from ..dtypes import MX_DTYPES, to_mx, to_numpy
-from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
+from ..errors import FormatError, IntegrityError, MissingTensorError, UnsupportedArchitectureError
 from ..formats.base import QuantizedTensor
+from ..formats.safetensors import SIDE_FILES
 from ..config import load_config
+from ..io.checksum import check_files
 from ..io.files import open_regular, read_bytes, read_json, regular_file
 from ..io.npy import read_npy_header
 from ..quant.schemes import rows_cols
 from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
+
+TOKENIZER_FACTS = "squishlike_tokenizer.json"  # the tokenizer's facts (squishlike/tokenizer.py), a side file
 
 _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
 
@@ -110,6 +114,16 @@ class NpyDir:
                 regular_file(self.path / rel, self.path)
             except FormatError as e:
                 raise FormatError(e.path, f"{e.problem} (side file of {manifest_path})") from None
+
+    def check_side_files(self, every: bool = False) -> None:
+        """IntegrityError naming the first side file (config, generation config, tokenizer files and facts, chat
+        template) that is not what the manifest records (its fast hash; with `every`, each hash recorded), or that
+        a load would read though the manifest records no such file. Every load runs it, warm or cold: a cache tier
+        records nothing of them, and they are small."""
+        for name in (*SIDE_FILES, TOKENIZER_FACTS):
+            if name not in self.manifest.side_files and os.path.lexists(self.path / name):
+                raise IntegrityError(self.path / name, f"not written by squishlike: {MANIFEST} records no such file")
+        check_files(self.path, {rel: r.to_json() for rel, r in self.manifest.side_files.items()}, every)
 
     def _validate_architecture(self, manifest_path: Path) -> None:
         """Canonical names must be rows of the family's table. mlx_lm's names are checked by the model they bind

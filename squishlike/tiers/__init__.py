@@ -126,8 +126,10 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
     computes them. The cold path always checks the store's files against the manifest's fast hash; `verify`
     (see verify_wanted) makes it check every recorded hash, SHA-256 too, and also checks a cache tier's files
-    against every hash its sentinel records before they are loaded (a damaged tier is then rebuilt)."""
+    against every hash its sentinel records before they are loaded (a damaged tier is then rebuilt). The side
+    files (config, tokenizer, chat template) are checked on every load, warm or cold."""
     verify = verify_wanted(verify)
+    store.check_side_files(verify)  # the tiers record the weights only: what else a load reads, checked here
     try:
         if tier is not None:
             return _load_forced(store, tier, lazy, verify)
