@@ -16,10 +16,15 @@ from .errors import ModelNotFoundError
 def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path | str:
     """The local path of `path_or_repo`: the path itself, or the snapshot of the repo it names (downloaded unless
     cached). What is neither comes back unchanged. ModelNotFoundError says why a repo could not be had."""
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        return path
     ref = str(path_or_repo)
+    try:
+        if "\0" in ref:  # Path.exists would say False, and the error come from deeper down
+            raise ValueError("embedded NUL byte")
+        path = Path(path_or_repo).expanduser()
+        if path.exists():
+            return path
+    except (OSError, ValueError) as e:  # a name too long for the filesystem, a NUL byte
+        raise ModelNotFoundError(ref, f"not a usable path ({getattr(e, 'strerror', None) or e})") from None
     if not is_repo_id(ref):
         return ref
     from .formats.ollama import OllamaReader  # an untagged Ollama name ("llama3") is a valid repo id too

@@ -10,7 +10,7 @@ from __future__ import annotations
 from importlib import import_module
 from pathlib import Path
 
-from ..errors import UnknownFormatError
+from ..errors import ModelNotFoundError, UnknownFormatError
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
 # (module, class) pairs, imported on first use so that `import squishlike` stays cheap.
@@ -31,7 +31,7 @@ def detect_format(path: str | Path) -> type[FormatReader]:
     """The reader class for `path`, judged by content. UnknownFormatError names what was looked for."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
+        raise ModelNotFoundError(str(path), "no such file or directory")
     for reader in reader_classes():
         if reader.detect(path):
             return reader

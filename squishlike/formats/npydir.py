@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from ..dtypes import to_mx
 from ..npydir import NpyDir, is_npydir
+from ..npydir.store import TOKENIZER_FACTS
 from ..io.atomic import copy_file
 from ..io.checksum import check_files, verify_files
 from ..io.files import read_json
@@ -83,7 +84,9 @@ class NpyDirReader(FormatReader):
         Path(dest).mkdir(parents=True, exist_ok=True)
         self._check({rel: record.to_json() for rel, record in self.store.manifest.side_files.items()})
         written = []
-        for rel in self.store.manifest.side_files:
+        # Not the tokenizer's facts: squishlike's own record of its tokenizer, which a compress works out afresh
+        # for what it writes, and which no other format reads (an export never carries a hostile one on).
+        for rel in (r for r in self.store.manifest.side_files if r != TOKENIZER_FACTS):
             copy_file(self.path / rel, Path(dest) / rel)
             written.append(Path(dest) / rel)
         return written

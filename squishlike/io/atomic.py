@@ -189,10 +189,10 @@ def publish_dir(tmp: Path, final: Path) -> None:
         fault_point(f"publish:{final.name}")  # `final` is the new directory, `tmp` the old one
         fsync_dir(final.parent)
         fault_point(f"published:{final.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_replaced(tmp)
         return
     old = None
-    if final.exists():
+    if final.exists() or final.is_symlink():
         old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}")
         os.replace(final, old)
     fault_point(f"publish:{final.name}")
@@ -200,6 +200,15 @@ def publish_dir(tmp: Path, final: Path) -> None:
     fault_point(f"published:{final.name}")
     fsync_dir(final.parent)
     if old is not None:
+        _remove_replaced(old)
+
+
+def _remove_replaced(old: Path) -> None:
+    """Delete what publish_dir replaced: a directory, or a link that stood at its place (the link itself, never
+    what it leads to, nor left behind as a temporary)."""
+    if old.is_symlink():
+        old.unlink()
+    else:
         shutil.rmtree(old, ignore_errors=True)
 
 

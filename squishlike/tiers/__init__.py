@@ -255,6 +255,8 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
         return COLD.load(store, verify=verify)
     handed_off = False
     try:
+        for goal in goals:  # refused before any work, whether the build runs here or in the background
+            goal.check_own_directory(store)
         first = goals[0]
         if recheck and first.ready(store)[0] is not None:  # built by the process we waited for
             return first.load(store, lazy=lazy)

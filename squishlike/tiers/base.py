@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+from pathlib import Path
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..arch import architecture_for
 from ..dtypes import NP_STORAGE
+from ..errors import FormatError
 from ..io.sentinel import read_sentinel
 from ..npydir import NpyDir
 
@@ -41,10 +43,27 @@ class Tier(ABC):
         return None
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
-        sentinel = store.path / self.sentinel
-        if sentinel.parent != store.path and sentinel.parent.is_symlink():  # a tier directory leading elsewhere
-            return None, f"{sentinel.parent.name} is a symbolic link out of the directory"
-        return read_sentinel(sentinel, store.fingerprint)
+        link = self.link_on_the_way(store)
+        if link is not None:
+            return None, f"{link.relative_to(store.path)} is a symbolic link out of the directory"
+        return read_sentinel(store.path / self.sentinel, store.fingerprint)
+
+    def link_on_the_way(self, store: NpyDir) -> Path | None:
+        """The first directory between the store and the tier's sentinel that is a symbolic link (a tier
+        directory leading elsewhere), or None."""
+        path = store.path
+        for part in Path(self.sentinel).parent.parts:
+            path = path / part
+            if path.is_symlink():
+                return path
+        return None
+
+    def check_own_directory(self, store: NpyDir) -> None:
+        """FormatError naming a tier directory that is a symbolic link: nothing is written, emptied or unlinked
+        through one, so a planted link never leads a build or a prune outside the store."""
+        link = self.link_on_the_way(store)
+        if link is not None:
+            raise FormatError(link, f"is a symbolic link; squishlike writes tiers of {store.path} only inside it")
 
     def nbytes(self, store: NpyDir) -> int:
         """About how many bytes of memory a load from this tier fills (to reserve them ahead, tiers/fastmem.py)."""
@@ -60,7 +79,11 @@ class Tier(ABC):
         return sum(record["size"] for record in payload["files"].values()) if payload else 0
 
     def remove(self, store: NpyDir) -> None:
-        """Delete the tier's sentinel, then its files (`paths`). The caller holds the directory lock."""
+        """Delete the tier's sentinel, then its files (`paths`); a path that is a link, the link itself, never
+        what it leads to. The caller holds the directory lock."""
+        for rel in self.paths:
+            if (store.path / rel).is_symlink():
+                (store.path / rel).unlink()
         self.invalidate(store)
         for rel in self.paths:
             path = store.path / rel
@@ -71,7 +94,9 @@ class Tier(ABC):
                     path.unlink()
 
     def invalidate(self, store: NpyDir) -> None:
-        """Remove the sentinel first, so the tier never counts as ready while its files are being replaced."""
+        """Remove the sentinel first, so the tier never counts as ready while its files are being replaced; never
+        through a linked tier directory (check_own_directory)."""
+        self.check_own_directory(store)
         with contextlib.suppress(FileNotFoundError):
             (store.path / self.sentinel).unlink()
 

@@ -81,7 +81,8 @@ class RankTier(Tier):
     def lock(self, store: NpyDir) -> DirectoryLock:
         """The lock every writer of this layout's share holds (`build` needs it held): one per layout, not the
         store's, so the ranks of a launch sharing one directory build their shares at once, not one after the
-        other (they write disjoint files: shards/KEY/ and its temporaries, .KEY.tmp-*)."""
+        other (they write disjoint files: shards/KEY/ and its temporaries, .KEY.tmp-*). Never in a linked shards/."""
+        self.check_own_directory(store)
         (store.path / DIRECTORY).mkdir(exist_ok=True)
         return DirectoryLock(store.path / DIRECTORY, f".{self.key}.lock")
 

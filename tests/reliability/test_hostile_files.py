@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.crash_harness import ForkServer, tree_state
-from support.hostile_corpus import CASES, MARKER, build_base, fill
+from support.hostile_corpus import CASES, MARKER, OUTSIDE, build_base, fill
 
 import squishlike
 
@@ -55,7 +55,7 @@ def outcomes(base, tmp_path_factory):
         d.mkdir()
         target = case.build(base, d)
         actions = [*ENTRY_POINTS, *([case.action] if case.action not in (*ENTRY_POINTS, "load") else []), "load"]
-        prepared[case.name] = (target, d, tree_state(d))
+        prepared[case.name] = (target, d, tree_state(d), tree_state(d / OUTSIDE))
         jobs.append({"op": "hostile", "path": str(target), "scratch": str(root / ".scratch" / case.name),
                      "actions": actions, "result": str(root / f".{case.name}.json"), "kill_after": TIME_LIMIT,
                      "memory_limit": MEMORY_LIMIT})
@@ -75,7 +75,8 @@ def test_the_corpus_is_big_enough():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hostile_file_gets_a_typed_error_naming_it(case, base, outcomes):
-    target, d, before, status, attempts = outcomes[case.name]
+    target, d, before, outside, status, attempts = outcomes[case.name]
+    assert tree_state(d / OUTSIDE) == outside, "something was written, emptied or removed through a link"
     assert status["signal"] is None and not status["killed_by_us"], f"crashed or hung: {status}"
     assert status["code"] == 0, attempts
     own = attempts[case.action]
@@ -100,7 +101,7 @@ def test_hostile_file_gets_a_typed_error_naming_it(case, base, outcomes):
 def test_compress_and_export_refuse_it_or_write_the_clean_output(case, base, outcomes, clean_outputs):
     """compress and export either refuse the file naming it, as the case's own entry point must (their typed
     errors are checked with the others above), or write exactly what they write from the clean source."""
-    target, d, _, _, attempts = outcomes[case.name]
+    target, d, _, _, _, attempts = outcomes[case.name]
     for action in WRITERS:
         if "error" in attempts[action]:
             assert fill(case.names, target, d, base) in attempts[action]["message"], attempts[action]

@@ -359,6 +359,44 @@ CASES: list[Case] = [
          TierNotReadyError, names=".squish_4bit_ready", action="sentinel:int4"),
     Case("tier-directory-symlinked-out", lambda b, d: _tier_dir_symlink(b, d), TierNotReadyError,
          names="finalized/.ready", action="sentinel:finalized"),
+    # --- the tokenizer facts (issue 22): code, shadowed methods, files named; the manifest's record made true, so
+    # only the strict parser stands between them and the load
+    Case("facts-tool-parser-is-os-system", lambda b, d: _facts(b, d, lambda f: _wrapper_object(f, "os:system")),
+         FormatError, names="squishlike_tokenizer.json", action="load"),
+    Case("facts-tool-parser-reaches-exec-through-mlx-lm", lambda b, d: _facts(b, d, lambda f: _wrapper_object(
+        f, "mlx_lm.utils:json.__builtins__.exec")), FormatError, names="squishlike_tokenizer.json", action="load"),
+    Case("facts-detokenizer-is-os-abort-through-mlx-lm", lambda b, d: _facts(b, d, lambda f: _set(
+        f, detokenizer_class={"object": "mlx_lm.utils:os.abort"})), FormatError, names="squishlike_tokenizer.json",
+         action="load"),
+    Case("facts-shadow-encode", lambda b, d: _facts(b, d, lambda f: _facts_attribute(f, "wrapper", "encode", "x")),
+         FormatError, names="squishlike_tokenizer.json", action="load"),
+    Case("facts-shadow-reset", lambda b, d: _facts(b, d, lambda f: _facts_attribute(f, "detokenizer", "reset", 0)),
+         FormatError, names="squishlike_tokenizer.json", action="load"),
+    Case("facts-init-kwargs-name-a-file-outside", lambda b, d: _facts(b, d, lambda f: _facts_init_kwarg(
+        f, "tokenizer_file", str(d / "outside-tokenizer.json"))), FormatError, names="squishlike_tokenizer.json",
+         action="load"),
+    # --- side files edited in a store whose tiers are built: a warm load checks them as a cold one does
+    Case("warm-tokenizer-json-edited", lambda b, d: _json_edit(npy_copy(b, d, True), "tokenizer.json", lambda t: t[
+        "model"]["vocab"].update({"pwned": 0})), IntegrityError, names="tokenizer.json", action="load"),
+    Case("warm-config-rope-theta-edited", lambda b, d: _json_edit(npy_copy(b, d, True), "config.json", lambda c: _set(
+        c, rope_theta=12345.0)), IntegrityError, names="config.json", action="load"),
+    Case("warm-facts-eos-edited", lambda b, d: _json_edit(npy_copy(b, d, True), "squishlike_tokenizer.json",
+                                                          lambda f: _facts_attribute(f, "wrapper", "_eos_token_ids",
+                                                                                     {"set": [0]})),
+         IntegrityError, names="squishlike_tokenizer.json", action="load"),
+    Case("warm-chat-template-planted", lambda b, d: _side(npy_copy(b, d, True), "chat_template.jinja", b"{{ 7*7 }}"),
+         IntegrityError, names="chat_template.jinja", action="load"),
+    Case("warm-generation-config-planted-fifo", lambda b, d: _fifo(npy_copy(b, d, True),
+                                                                   lambda t: t / "generation_config.json"),
+         SquishError, names="generation_config.json", action="load"),
+    # --- links out of the store where squishlike writes (issue 22): never followed, the outside untouched
+    Case("lock-file-dangling-link", lambda b, d: _link_to(npy_copy(b, d), ".squishlike.lock", _outside(d) / "made"),
+         FormatError, names=".squishlike.lock", action="load"),
+    Case("lock-file-link-to-a-file", lambda b, d: _link_to(npy_copy(b, d), ".squishlike.lock",
+                                                           _write(_outside(d) / "victim", b"keep")),
+         FormatError, names=".squishlike.lock", action="load"),
+    Case("tier-directory-symlinked-out-cold", lambda b, d: _tier_dir_link(b, d, built=False), FormatError,
+         names="finalized", action="load"),
     # --- GGUF
     Case("gguf-bad-magic", lambda b, d: _write(d / "model.gguf", gguf_raw(magic=b"GGUX")), UnknownFormatError),
     Case("gguf-unknown-version", lambda b, d: _write(d / "model.gguf", gguf_raw(version=99)), FormatError),
@@ -927,6 +965,59 @@ def _tier_dir_symlink(base: Base, d: Path) -> Path:
     return target
 
 
+OUTSIDE = "elsewhere"  # a case's directory outside its model, where links lead: nothing may change in it
+
+
+def _outside(d: Path) -> Path:
+    (d / OUTSIDE).mkdir(exist_ok=True)
+    return d / OUTSIDE
+
+
+def _link_to(target: Path, rel: str, to: Path) -> Path:
+    (target / rel).unlink(missing_ok=True)
+    (target / rel).symlink_to(to)
+    return target
+
+
+def _tier_dir_link(base: Base, d: Path, built: bool) -> Path:
+    """finalized/ a link to a directory outside (holding a copy of the tier when `built`)."""
+    target = npy_copy(base, d, built)
+    if built:
+        shutil.rmtree(_outside(d))
+        shutil.move(str(target / "finalized"), d / OUTSIDE)
+    manifest_edit(target, lambda m: m["policy"].update(tiers=["finalized"]))  # the tier the cold path builds
+    return _link_to(target, "finalized", _outside(d))
+
+
+def _json_edit(target: Path, rel: str, fn) -> Path:
+    content = json.loads((target / rel).read_text())
+    content = fn(content) or content
+    (target / rel).write_text(json.dumps(content))
+    return target
+
+
+def _facts(base: Base, d: Path, fn) -> Path:
+    """The store's facts file edited by `fn`, and the manifest's record of it made true."""
+    target = _json_edit(npy_copy(base, d, True), "squishlike_tokenizer.json", fn)
+    raw = (target / "squishlike_tokenizer.json").read_bytes()
+    return manifest_edit(target, lambda m: m["side_files"].update({"squishlike_tokenizer.json": {
+        "size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}}))
+
+
+def _facts_attribute(facts: dict, part: str, name: str, value) -> dict:
+    return _set(facts, **{part: {"dict": [*facts[part]["dict"], [name, value]]}})
+
+
+def _facts_init_kwarg(facts: dict, name: str, value) -> dict:
+    return _set(facts, tokenizer={"dict": [[k, {"dict": [*v["dict"], [name, value]]} if k == "init_kwargs" else v]
+                                           for k, v in facts["tokenizer"]["dict"]]})
+
+
+def _wrapper_object(facts: dict, name: str) -> dict:
+    return _set(facts, wrapper={"dict": [[k, {"object": name} if k == "_tool_parser" else v]
+                                         for k, v in facts["wrapper"]["dict"]]})
+
+
 def _long_key(base: Base, d: Path) -> Path:
     """A tensor whose name (so its key, so its file name) is longer than a file name may be."""
     target = npy_copy(base, d)
@@ -1061,5 +1152,5 @@ def write_corpus(base: Base, dest: Path) -> list[Path]:
     return out
 
 
-__all__ = ["Base", "CASES", "Case", "MARKER", "build_base", "fill", "gguf_raw", "st_raw", "write_corpus"]
+__all__ = ["Base", "CASES", "Case", "MARKER", "OUTSIDE", "build_base", "fill", "gguf_raw", "st_raw", "write_corpus"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
