@@ -16,15 +16,10 @@ from .errors import ModelNotFoundError
 def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path | str:
     """The local path of `path_or_repo`: the path itself, or the snapshot of the repo it names (downloaded unless
     cached). What is neither comes back unchanged. ModelNotFoundError says why a repo could not be had."""
+    path = existing_path(path_or_repo)
+    if path is not None:
+        return path
     ref = str(path_or_repo)
-    try:
-        if "\0" in ref:  # Path.exists would say False, and the error come from deeper down
-            raise ValueError("embedded NUL byte")
-        path = Path(path_or_repo).expanduser()
-        if path.exists():
-            return path
-    except (OSError, ValueError) as e:  # a name too long for the filesystem, a NUL byte
-        raise ModelNotFoundError(ref, f"not a usable path ({getattr(e, 'strerror', None) or e})") from None
     if not is_repo_id(ref):
         return ref
     from .formats.ollama import OllamaReader  # an untagged Ollama name ("llama3") is a valid repo id too
@@ -32,6 +27,19 @@ def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path | str
     if OllamaReader.resolve(ref) is not None:
         return ref
     return download(ref, revision)
+
+
+def existing_path(path_or_repo: str | Path) -> Path | None:
+    """`path_or_repo` as a path (`~` expanded) when something exists there, else None; ModelNotFoundError when it
+    cannot name a file at all (too long for the filesystem, a NUL byte), which Path.exists would raise or hide."""
+    ref = str(path_or_repo)
+    try:
+        if "\0" in ref:
+            raise ValueError("embedded NUL byte")
+        path = Path(ref).expanduser()
+        return path if path.exists() else None
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(ref, f"not a usable path ({getattr(e, 'strerror', None) or e})") from None
 
 
 def is_repo_id(ref: str) -> bool:

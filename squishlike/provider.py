@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from .formats import FormatReader, QuantizedTensor, open_reader
 from .formats.sanitized import SanitizedReader
-from .hub import resolve
+from .hub import existing_path, resolve
 from .io.atomic import write_json
 
 # Config keys that describe how a source stores its tensors quantized; the provider hands out dense tensors.
@@ -264,9 +264,8 @@ def locate(path: str | PathLike, ollama_root: str | PathLike | None = None) -> P
     (squishlike.hub). What is none of these stays a path, and open_reader names the path it could not find."""
     from .formats.ollama import OllamaReader  # imported on use, as the format registry imports readers
 
-    path = Path(path)
-    if path.exists():
-        return path
+    if (existing := existing_path(path)) is not None:
+        return existing
     root = Path(ollama_root) if ollama_root is not None else None
     return OllamaReader.resolve(str(path), root) or Path(resolve(str(path)))
 

@@ -14,6 +14,8 @@ where nothing succeeded, nothing on disk changed (compress and export write to a
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from support.crash_harness import ForkServer, tree_state
 from support.hostile_corpus import CASES, MARKER, OUTSIDE, build_base, fill
 
 import squishlike
+from squishlike.errors import FormatError
 
 TIME_LIMIT = 60  # seconds for the seven entry points of one case
 MEMORY_LIMIT = 1 << 30  # bytes beyond what the forked process holds: ~100x the tiny models' data
@@ -178,3 +181,104 @@ def test_trust_remote_code_is_off_unless_asked(base, tmp_path):
         with pytest.raises(SquishError):
             squishlike.load(target, trust_remote_code=False)
         assert not list(d.rglob(MARKER))
+
+
+def _link_out(store: Path, rel: str, outside: Path) -> None:
+    """`store/rel` a link to `outside`, which holds what stood there (a tier's files, a share) or one file."""
+    path = store / rel
+    if path.exists():
+        shutil.move(str(path), outside)
+    else:
+        outside.mkdir()
+        (outside / "keep").write_text("not the store's")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(outside / "lock" if rel.endswith("lock") else outside)
+
+
+def _prune(store: Path) -> None:
+    from squishlike.npydir import NpyDir
+    from squishlike.tiers import prune
+
+    prune(NpyDir(store), keep=())
+
+
+def _verify(store: Path) -> None:
+    from squishlike.info import verify
+
+    verify(store)
+
+
+def _sharded(store: Path) -> None:
+    from squishlike.sharded import sharded_load
+
+    sharded_load(store)
+
+
+# (entry point, the link, whether the store has its tiers and share built, what happens: the error, or None)
+LINKS = [
+    ("load", "finalized", True, None),  # the next ready tier serves it
+    ("load", "finalized", False, FormatError),  # the tier the first load would build
+    ("load", ".squishlike.lock", False, FormatError),
+    ("load", "shards", True, None),  # a load never reads shares
+    ("prune", "finalized", True, None),  # the link removed, not what it leads to
+    ("prune", ".squishlike.lock", True, FormatError),
+    ("verify", "finalized", True, None),
+    ("verify", "shards/tensor-1-0", True, None),
+    ("sharded_load", "shards", True, FormatError),
+    ("sharded_load", "shards/tensor-1-0", True, FormatError),
+    ("sharded_load", "shards/.tensor-1-0.lock", False, FormatError),
+    ("sharded_load", "shards/.tensor-1-0.lock", True, None),  # a ready share is read without the lock
+    ("compress", "finalized", True, None),  # reads the store only
+    ("export", "finalized", True, None),
+]
+ACTIONS = {"load": lambda s, out: squishlike.load(s), "prune": lambda s, out: _prune(s),
+           "verify": lambda s, out: _verify(s),
+           "sharded_load": lambda s, out: _sharded(s),
+           "compress": lambda s, out: squishlike.compress(s, out, format="int8", tiers=()),
+           "export": lambda s, out: squishlike.export(s, "hf", out)}
+
+
+@pytest.fixture(scope="module")
+def with_share(base, tmp_path_factory):
+    """The built store with this process's share too (sharded_load of one process: layout tensor-1-0)."""
+    store = shutil.copytree(base.built, tmp_path_factory.mktemp("share") / "model", symlinks=True)
+    _sharded(store)
+    assert (store / "shards" / "tensor-1-0" / ".ready").is_file()
+    return store
+
+
+@pytest.mark.parametrize("action, rel, built, expect", LINKS,
+                         ids=[f"{a}-{r}-{'built' if b else 'fresh'}" for a, r, b, _ in LINKS])
+def test_links_out_of_the_store_are_never_followed_to_write(action, rel, built, expect, base, with_share, tmp_path):
+    """A link at any level of the store where squishlike writes (a tier directory, shards/, a share, a lock):
+    each entry point either refuses it naming the link, or does its work; nothing outside the store is created,
+    written, emptied or removed."""
+    from support.crash_harness import tree_state, weights_digest
+
+    from squishlike.tiers import wait_for_builds
+
+    store = shutil.copytree(with_share if built else base.npydir, tmp_path / "model", symlinks=True)
+    outside = tmp_path / OUTSIDE
+    _link_out(store, rel, outside)
+    before = tree_state(outside)
+    if expect is None:
+        result = ACTIONS[action](store, tmp_path / "out")
+        if action == "load":
+            assert weights_digest(result[0]) == base.weights_digest
+        if action == "prune":
+            assert not (store / rel).is_symlink() and not (store / rel).exists()
+    else:
+        with pytest.raises(expect, match=re.escape(str(store / rel.split("/.")[0]))):
+            ACTIONS[action](store, tmp_path / "out")
+    wait_for_builds()  # a first load's background build, done before the outside is looked at
+    assert tree_state(outside) == before
+    assert not (outside / "lock").exists()
+
+
+@pytest.mark.parametrize("reference", ["a" * 5000, "model\0name", "/tmp/" + "b" * 300])
+def test_an_unusable_path_is_a_typed_error(reference):
+    from squishlike.errors import ModelNotFoundError
+
+    for entry in (squishlike.load, squishlike.open_weights):
+        with pytest.raises(ModelNotFoundError, match="not a usable path"):
+            entry(reference)
