@@ -282,3 +282,26 @@ def test_an_unusable_path_is_a_typed_error(reference):
     for entry in (squishlike.load, squishlike.open_weights):
         with pytest.raises(ModelNotFoundError, match="not a usable path"):
             entry(reference)
+
+
+def test_a_tier_copied_from_another_store_is_refused_and_rebuilt(base, tokenizer_dir, tmp_path):
+    """Every tier and share records the manifest it was built from (its sentinel's manifest_fingerprint): tiers
+    copied in from a store of the same architecture with other weights never serve it; the load rebuilds them
+    from this store."""
+    from support.crash_harness import CRASH_CONFIG, load_in_process
+    from support.tiny_models import make_hf_model
+
+    from squishlike.npydir import NpyDir
+    from squishlike.tiers import ORDER
+
+    other_hf = make_hf_model(tmp_path / "other-hf", CRASH_CONFIG, tokenizer_dir, seed=7)
+    other = squishlike.compress(other_hf, tmp_path / "other", format="int4", group_size=32,
+                                tiers=("int4", "mlx", "finalized"))
+    squishlike.load(other)
+    store = shutil.copytree(base.npydir, tmp_path / "model")
+    for item in Path(other).iterdir():  # every cache tier's files and sentinels, not the store's own
+        if not (store / item.name).exists():
+            (shutil.copytree if item.is_dir() else shutil.copy)(item, store / item.name)
+    copied = [tier.name for tier in ORDER if (store / tier.sentinel).exists()]
+    assert copied and not any(tier.ready(NpyDir(store))[0] for tier in ORDER)
+    assert load_in_process(store)[1] == base.weights_digest
