@@ -12,7 +12,10 @@ and their ratio:
 - cold sha256: the same, the store seen as one written before xxh3 was recorded (its records without xxh3), so
   the check falls back to sha256: what the cold path cost before xxh3, measured in the same run;
 - each warm tier: its load, with and without the header checks (the tier safetensors' header against the one
-  written, each finalized .npy header against the manifest, the int4 tier's config.json).
+  written, each finalized .npy header against the manifest, the int4 tier's config.json);
+- warm load: the whole squishlike.load (model and tokenizer, from the first ready tier), with and without every
+  check above and the side files' (config, tokenizer files and facts, chat template) against the manifest's
+  records, which every load runs, warm or cold; and that side-file check alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 import squishlike
 from squishlike.default_model import default_model_path
@@ -36,13 +40,14 @@ from squishlike.tiers import BY_NAME, cold, finalized, mlx, quantized
 @contextmanager
 def checks_off():
     """The same loads with every integrity check replaced by nothing."""
-    saved = (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical)
-    cold.check_files = mlx.check_layout = finalized.check_npy = lambda *a, **k: None
+    saved = (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical, NpyDir.check_side_files)
+    cold.check_files = mlx.check_layout = finalized.check_npy = NpyDir.check_side_files = lambda *a, **k: None
     quantized._canonical = lambda value: ""
     try:
         yield
     finally:
-        cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical = saved
+        (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical,
+         NpyDir.check_side_files) = saved
 
 
 def timed(load) -> float:
@@ -91,9 +96,18 @@ def main() -> int:
                "cold sha256": lambda: cold.ColdTier().load_dense(old_style)[0].weights}
     for name in ("int4", "mlx", "finalized"):
         figures[name] = lambda tier=BY_NAME[name]: tier.load(store).weights
+    figures["warm load"] = lambda: dict(tree_flatten(squishlike.load(out)[0].parameters()))
     for name, load in figures.items():
         on, off = measure(load, args.runs)
         print(f"{name:<12} {on:>10.3f} {off:>12.3f} {on / off:>6.3f}x")
+    side = sum(r.size for r in store.manifest.side_files.values())
+    alone = []
+    for _ in range(args.runs):
+        started = time.perf_counter()
+        store.check_side_files()
+        alone.append(time.perf_counter() - started)
+    print(f"side-file check alone: {statistics.median(alone) * 1e3:.2f} ms for {len(store.manifest.side_files)} "
+          f"files, {side / 1e6:.1f} MB")
     return 0
 
 
