@@ -202,6 +202,16 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     return wrapper
 
 
+def facts_problem(directory: Path) -> str | None:
+    """What makes `directory`'s FACTS_FILE one no load would use (unreadable, or breaking the schema), or None;
+    for `verify`, whose hashes cannot tell a hostile file whose record was made to match."""
+    try:
+        _parse(directory / FACTS_FILE, read_json(directory / FACTS_FILE, directory))
+    except FormatError as e:
+        return str(e)
+    return None
+
+
 def _parse(path: Path, facts: Any) -> dict[str, Any]:
     """The facts as `build` uses them (the three objects' attributes decoded, the detokenizer class looked up),
     checked against the schema: FormatError naming `path` and the first thing wrong."""

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ..dtypes import to_mx
 from ..npydir import NpyDir, is_npydir
-from ..npydir.store import TOKENIZER_FACTS
+from ..npydir.store import TOKENIZER_FACTS, UNRECORDED
 from ..io.atomic import copy_file
 from ..io.checksum import check_files, verify_files
 from ..io.files import read_json
@@ -71,6 +71,11 @@ class NpyDirReader(FormatReader):
         from ..tiers.rank import RankTier
 
         problems = verify_files(self.store.path, self.store.file_records())
+        problems += [f"{p}: {UNRECORDED}" for p in self.store.unrecorded_side_files()]
+        if TOKENIZER_FACTS in self.store.manifest.side_files:  # its record may be true and its content hostile
+            from ..tokenizer import facts_problem  # transformers: imported on use
+
+            problems += [p for p in [facts_problem(self.store.path)] if p is not None]
         for tier in [*ORDER, *RankTier.cached(self.store)]:
             sentinel = self.store.path / tier.sentinel
             payload, why = read_sentinel(sentinel, self.store.fingerprint)

@@ -31,6 +31,7 @@ from ..quant.schemes import rows_cols
 from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
 
 TOKENIZER_FACTS = "squishlike_tokenizer.json"  # the tokenizer's facts (squishlike/tokenizer.py), a side file
+UNRECORDED = f"not written by squishlike: {MANIFEST} records no such file"  # a side file the manifest lacks
 
 _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
 
@@ -120,10 +121,15 @@ class NpyDir:
         template) that is not what the manifest records (its fast hash; with `every`, each hash recorded), or that
         a load would read though the manifest records no such file. Every load runs it, warm or cold: a cache tier
         records nothing of them, and they are small."""
-        for name in (*SIDE_FILES, TOKENIZER_FACTS):
-            if name not in self.manifest.side_files and os.path.lexists(self.path / name):
-                raise IntegrityError(self.path / name, f"not written by squishlike: {MANIFEST} records no such file")
+        for path in self.unrecorded_side_files():
+            raise IntegrityError(path, UNRECORDED)
         check_files(self.path, {rel: r.to_json() for rel, r in self.manifest.side_files.items()}, every)
+
+    def unrecorded_side_files(self) -> list[Path]:
+        """The files a load would read as side files (mlx_lm's and transformers' names, the tokenizer facts) that
+        the manifest does not record: never written by squishlike, so never read."""
+        return [self.path / name for name in (*SIDE_FILES, TOKENIZER_FACTS)
+                if name not in self.manifest.side_files and os.path.lexists(self.path / name)]
 
     def _validate_architecture(self, manifest_path: Path) -> None:
         """Canonical names must be rows of the family's table. mlx_lm's names are checked by the model they bind

@@ -305,3 +305,14 @@ def test_a_tier_copied_from_another_store_is_refused_and_rebuilt(base, tokenizer
     copied = [tier.name for tier in ORDER if (store / tier.sentinel).exists()]
     assert copied and not any(tier.ready(NpyDir(store))[0] for tier in ORDER)
     assert load_in_process(store)[1] == base.weights_digest
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith(("facts-", "warm-"))],
+                         ids=lambda c: c.name)
+def test_verify_names_a_hostile_side_file(case, base, outcomes):
+    """`squishlike verify` names what a load refuses in the side files: a facts file whose manifest record was
+    made to match its hostile content, a side file edited, one the manifest does not record."""
+    target, d, _, _, _, attempts = outcomes[case.name]
+    verify = attempts["verify"]
+    problems = [verify["message"]] if "error" in verify else verify["value"]
+    assert any(fill(case.names, target, d, base) in p for p in problems), problems
