@@ -316,3 +316,27 @@ def test_verify_names_a_hostile_side_file(case, base, outcomes):
     verify = attempts["verify"]
     problems = [verify["message"]] if "error" in verify else verify["value"]
     assert any(fill(case.names, target, d, base) in p for p in problems), problems
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_sharded_load_verifies_a_share_when_asked(how, base, with_share, tmp_path, monkeypatch):
+    """A rank share damaged in place (its size kept) is served as it is by default, as a tier is; with
+    verify=True or SQUISHLIKE_VERIFY=1 its hash is checked, and it is rebuilt from the store."""
+    from support.crash_harness import weights_digest
+
+    from squishlike.sharded import sharded_load
+
+    store = shutil.copytree(with_share, tmp_path / "model")
+    share = store / "shards" / "tensor-1-0" / "weights.safetensors"
+    raw = bytearray(share.read_bytes())
+    raw[-3] ^= 0x40
+    share.write_bytes(bytes(raw))
+    assert weights_digest(sharded_load(store)[0]) != base.weights_digest  # unchecked: the damage is served
+    with pytest.warns(UserWarning, match=re.escape(str(share))):
+        if how == "argument":
+            model, _ = sharded_load(store, verify=True)
+        else:
+            monkeypatch.setenv("SQUISHLIKE_VERIFY", "1")
+            model, _ = sharded_load(store)
+    assert weights_digest(model) == base.weights_digest
+    assert weights_digest(sharded_load(store)[0]) == base.weights_digest  # the rebuilt share
