@@ -51,9 +51,10 @@ class DirectoryLock:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(self.path, flags, 0o644)
-        except OSError as e:
-            problem = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot open ({e.strerror})"
-            raise FormatError(self.path, f"{problem}; refusing to lock through it") from None
+        except OSError as e:  # a read-only directory stays an OSError: its callers load without building
+            if e.errno != errno.ELOOP:
+                raise
+            raise FormatError(self.path, "is a symbolic link; refusing to lock through it") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise FormatError(self.path, "is not a regular file; refusing to lock through it")

@@ -340,3 +340,19 @@ def test_sharded_load_verifies_a_share_when_asked(how, base, with_share, tmp_pat
             model, _ = sharded_load(store)
     assert weights_digest(model) == base.weights_digest
     assert weights_digest(sharded_load(store)[0]) == base.weights_digest  # the rebuilt share
+
+
+def test_compress_never_locks_through_a_link(base, tmp_path):
+    """compress locks OUT's parent with a file beside OUT: a link planted there (dangling, or to a file) is refused
+    naming it, and nothing is created or written where it leads, nor at OUT."""
+    outside = tmp_path / OUTSIDE
+    outside.mkdir()
+    (outside / "victim").write_text("keep")
+    for target in (outside / "made", outside / "victim"):
+        lock = tmp_path / ".out.squishlike-lock"
+        lock.unlink(missing_ok=True)
+        lock.symlink_to(target)
+        with pytest.raises(FormatError, match=re.escape(str(lock))):
+            squishlike.compress(base.hf, tmp_path / "out", format="int8", tiers=())
+        assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+        assert (outside / "victim").read_text() == "keep" and not (tmp_path / "out").exists()
