@@ -129,8 +129,8 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
     against every hash its sentinel records before they are loaded (a damaged tier is then rebuilt). The side
     files (config, tokenizer, chat template) are checked on every load, warm or cold."""
     verify = verify_wanted(verify)
-    store.check_side_files(verify)  # the tiers record the weights only: what else a load reads, checked here
     try:
+        store.check_side_files(verify)  # the tiers record the weights only: what else a load reads, checked here
         if tier is not None:
             return _load_forced(store, tier, lazy, verify)
         damaged: list[str] = []
