@@ -7,7 +7,7 @@ tiers), export (an HF directory), the case's own action and load. So a crash, a 
 data's size fails the case instead of the test run. Whatever an entry point does with a hostile file, it either
 raises a squishlike.errors type or gives the right answer (a load of a hostile npy-dir that succeeds, by
 rebuilding a damaged cache, gives the clean weights; compress and export either name the file, or write exactly
-what they write from the clean source: 155 cases refused, 30 written clean); and
+what they write from the clean source: 158 cases refused by both, 41 written clean by one or both); and
 where nothing succeeded, nothing on disk changed (compress and export write to a scratch directory outside it).
 """
 
