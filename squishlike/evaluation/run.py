@@ -99,6 +99,12 @@ def evaluate(
         if not quiet:
             print(message, file=sys.stderr, flush=True)
 
+    from ..formats import detect_format
+    from ..provider import locate
+
+    for path in (model_path, reference_path):  # a wrong path is named before a load that can take minutes
+        if path is not None:
+            detect_format(locate(path))
     timings: dict[str, float] = {}
     model, tokenizer = _timed(timings, "load_model_s", loader, model_path)
     log(f"loaded {model_path} in {timings['load_model_s']:.1f} s")
@@ -133,7 +139,8 @@ def evaluate(
 def format_report(result: dict[str, Any]) -> str:
     """A short human-readable report of an `evaluate` result."""
     lines = [f"model:      {result['model']}"]
-    lines.append(f"text:       {result['text']}, {result['positions']} scored tokens in {result['windows']} windows")
+    windows = f"{result['windows']} window" + ("s" if result["windows"] != 1 else "")
+    lines.append(f"text:       {result['text']}, {result['positions']} scored tokens in {windows}")
     lines.append(f"perplexity: {result['perplexity']:.4f}")
     if result.get("reference") is not None:
         increase = result["perplexity"] / result["reference_perplexity"] - 1.0
