@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import logging
 import sys
 import warnings
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..environment import switch
 from ..errors import FormatError, TierNotReadyError
 from ..io.atomic import remove_stale_temps, sweeping_temps
 from ..io.checksum import check_files
@@ -116,7 +116,7 @@ def _bytes_under(path: Path) -> int:
 
 def verify_wanted(verify: bool | None = None) -> bool:
     """`verify`, or when it is None the environment switch SQUISHLIKE_VERIFY=1."""
-    return verify if verify is not None else os.environ.get("SQUISHLIKE_VERIFY", "0") not in ("", "0")
+    return verify if verify is not None else switch("SQUISHLIKE_VERIFY")
 
 
 def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, verify: bool | None = None) -> Loaded:
