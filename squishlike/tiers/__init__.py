@@ -176,6 +176,9 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
     chosen = BY_NAME[tier]
+    goal, order = target(store), ordered(ORDER)
+    if goal is not None and chosen in order and order.index(chosen) > order.index(goal):  # slower here, say why
+        log.warning("%s: tier %s is forced, but a load here would take %s: %s", store.path, tier, goal.name, reason())
     payload, why = chosen.ready(store)
     if payload is not None:
         if chosen is COLD:  # it checks the store's files as it loads them
@@ -294,8 +297,9 @@ def _build_and_release(store: NpyDir, dense: dict[str, np.ndarray], goals: list[
 
 def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
     """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
-    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and logs (INFO)
-    each with its size on disk."""
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and says once
+    (a warning-level log line, which Python prints even where logging was never set up) what they added to the
+    store's size on disk: a first load that grows a 0.9 GB store to 2.1 GB should not do it silently."""
     built = []
     for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
@@ -303,12 +307,14 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], 
         try:
             tier.build(store, dense)
             built.append(tier.name)
-            log.info("%s: built tier %s (%.1f MB on disk; `squishlike prune` removes it)", store.path, tier.name,
-                     tier.disk_bytes(store) / 1e6)
         except OSError as e:  # disk full, read-only: the load still succeeds from the cold weights
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
         if progress is not None:
             progress.update()
+    if built:
+        added = sum(BY_NAME[name].disk_bytes(store) for name in built)
+        log.warning("%s: wrote the cache tier %s for faster loads (%.1f MB more on disk); `squishlike prune %s` "
+                    "removes it", store.path, " and ".join(built), added / 1e6, store.path)
     return built
 
 

@@ -153,3 +153,28 @@ def test_the_readme_synopsis_names_every_option():  # defect 12
             flag = max(action.option_strings, key=len, default=None)
             if flag not in (None, "--help"):
                 assert re.search(rf"{flag}\b", entries[name]), (name, flag)
+
+
+def test_a_load_that_writes_a_cache_says_what_and_how_much_once(tiny_llama, tmp_path):  # defect 5
+    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    store_bytes = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    first = cli("generate", "--model", store, "--prompt", "hi", "--max-tokens", "2", "--ignore-chat-template")
+    added = sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) - store_bytes
+    said = [line for line in first.stderr.splitlines() if "squishlike prune" in line]
+    assert said == [f"{store}: wrote the cache tier mlx for faster loads ({added / 1e6:.1f} MB more on disk); "
+                    f"`squishlike prune {store}` removes it"], first.stderr
+    again = cli("generate", "--model", store, "--prompt", "hi", "--max-tokens", "2", "--ignore-chat-template")
+    assert "squishlike prune" not in again.stderr
+
+
+def test_forcing_a_tier_the_device_order_would_not_take_says_why(tiny_llama, tmp_path):  # defect 6
+    from squishlike.tiers.order import device_kind, reason
+
+    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8", tiers=("mlx", "int8"))
+    squishlike.load(store, tier="int8")
+    squishlike.load(store, tier="mlx")
+    slower, faster = ("int8", "mlx") if device_kind() == "cpu" else ("mlx", "int8")
+    argv = ["generate", "--model", store, "--prompt", "hi", "--max-tokens", "2", "--ignore-chat-template"]
+    done = cli(*argv, "--tier", slower)
+    assert f"{store}: tier {slower} is forced, but a load here would take {faster}: {reason()}" in done.stderr
+    assert "is forced" not in cli(*argv, "--tier", faster).stderr
