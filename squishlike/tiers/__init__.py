@@ -275,6 +275,7 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
             loaded, dense = COLD.load_dense(store, only=needed, verify=verify)
             progress.update()
             built = build_tiers(store, dense, goals, progress)
+        say_built(store, built)  # after the progress bar, not inside it
         if dense_first:
             return loaded
         # A quantized tier: this load reads back what it built (page cache), as every later load will.
@@ -290,16 +291,14 @@ def _build_and_release(store: NpyDir, dense: dict[str, np.ndarray], goals: list[
     """A background build (background.py): the tiers, then the lock the load took for them."""
     try:
         with sweeping_temps(store.path):
-            build_tiers(store, dense, goals)
+            say_built(store, build_tiers(store, dense, goals))
     finally:
         lock.release()
 
 
 def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
     """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
-    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and says once
-    (a warning-level log line, which Python prints even where logging was never set up) what they added to the
-    store's size on disk: a first load that grows a 0.9 GB store to 2.1 GB should not do it silently."""
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built."""
     built = []
     for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
@@ -311,11 +310,17 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], 
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
         if progress is not None:
             progress.update()
+    return built
+
+
+def say_built(store: NpyDir, built: list[str]) -> None:
+    """Say once what the tiers a load `built` added to the store's size on disk (a warning-level log line, which
+    Python prints even where logging was never set up): a first load that grows a 0.9 GB store to 2.1 GB should
+    not do it silently."""
     if built:
         added = sum(BY_NAME[name].disk_bytes(store) for name in built)
         log.warning("%s: wrote the cache tier %s for faster loads (%.1f MB more on disk); `squishlike prune %s` "
                     "removes it", store.path, " and ".join(built), added / 1e6, store.path)
-    return built
 
 
 @contextlib.contextmanager

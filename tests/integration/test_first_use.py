@@ -4,12 +4,15 @@ what it writes, and messages that say what is wrong before any work is done."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,7 @@ def cli(*args, check_rc: int | None = 0, cwd=None, env=None, stdin=None) -> subp
 def on_a_terminal(*args) -> tuple[int, str]:
     """Run the command with its stderr on a pseudo-terminal (stdout a pipe): (exit code, what stderr showed)."""
     controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
     process = subprocess.Popen([sys.executable, "-m", "squishlike", *map(str, args)], stdout=subprocess.DEVNULL,
                                stderr=terminal, stdin=subprocess.DEVNULL)
     os.close(terminal)
@@ -178,3 +182,14 @@ def test_forcing_a_tier_the_device_order_would_not_take_says_why(tiny_llama, tmp
     done = cli(*argv, "--tier", slower)
     assert f"{store}: tier {slower} is forced, but a load here would take {faster}: {reason()}" in done.stderr
     assert "is forced" not in cli(*argv, "--tier", faster).stderr
+
+
+def test_progress_on_a_terminal_and_nothing_on_a_pipe(tiny_llama, tmp_path):  # defect 4
+    rc, shown = on_a_terminal("compress", tiny_llama, "-o", tmp_path / "int8")
+    assert rc == 0 and re.search(r"compress: +100%\|", shown), shown
+    rc, shown = on_a_terminal("eval", tmp_path / "int8", "--max-tokens", "64")
+    assert rc == 0 and re.search(r"teacher-forced: +100%\|", shown), shown
+    piped = cli("compress", tiny_llama, "-o", tmp_path / "int4", "--format", "int4")
+    assert piped.stderr == ""
+    piped = cli("eval", tmp_path / "int4", "--max-tokens", "64")
+    assert "%|" not in piped.stderr and "\r" not in piped.stderr
