@@ -11,22 +11,19 @@ import os
 
 from .errors import EnvironmentSwitchError
 
-SWITCHES: dict[str, tuple[bool, str]] = {  # name -> (default, what "1" does)
-    "SQUISHLIKE_VERIFY": (False, "every load checks every recorded hash, SHA-256 too, as load(verify=True) does"),
-    "SQUISHLIKE_BACKGROUND_BUILD": (True, "a first load returns before its dense tier is on disk and writes it on "
-                                    "a background thread (0: the load waits for the write)"),
-    "SQUISHLIKE_HUGEPAGES": (True, "Linux: weights go to huge-page-backed memory (0: plain malloc)"),
-    "SQUISHLIKE_DIRECT_IO": (True, "tier files are written with O_DIRECT where the filesystem allows it (0: through "
-                             "the page cache)"),
-    "SQUISHLIKE_OPENBLAS": (True, "eval and calibrating compress restart once with the system OpenBLAS preloaded "
-                            "(0: never)"),
+SWITCHES: dict[str, bool] = {  # name -> default; what each does: docs/environment.md
+    "SQUISHLIKE_VERIFY": False,  # every load checks every recorded hash, as load(verify=True)
+    "SQUISHLIKE_BACKGROUND_BUILD": True,  # a first load writes its dense tier on a background thread
+    "SQUISHLIKE_HUGEPAGES": True,  # Linux: weights go to huge-page-backed memory
+    "SQUISHLIKE_DIRECT_IO": True,  # tier files are written with O_DIRECT
+    "SQUISHLIKE_OPENBLAS": True,  # eval and calibrating compress restart with the system OpenBLAS preloaded
 }
 FAULT_SEAM = ("SQUISHLIKE_FAULT_AT", "SQUISHLIKE_FAULT_NTH", "SQUISHLIKE_FAULT_ACTION", "SQUISHLIKE_FAULT_LOG")
 
 
 def switch(name: str) -> bool:
     """The switch `name` (a key of SWITCHES): its default when unset, else 1 or 0."""
-    default, _ = SWITCHES[name]
+    default = SWITCHES[name]
     value = os.environ.get(name, "")
     if value == "":
         return default

@@ -35,7 +35,7 @@ def test_every_variable_is_documented():
 
 @pytest.mark.parametrize("name", sorted(SWITCHES))
 def test_one_convention(monkeypatch, name):
-    default, _ = SWITCHES[name]
+    default = SWITCHES[name]
     monkeypatch.delenv(name, raising=False)
     assert switch(name) is default
     monkeypatch.setenv(name, "")
