@@ -199,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
     args = parser.parse_args(argv)
 
+    from squishlike.environment import switch
     from squishlike.openblas import find_openblas
 
     blas = find_openblas()
-    if blas and blas not in os.environ.get("LD_PRELOAD", "") and not os.environ.get("SQUISHLIKE_NO_OPENBLAS"):
-        env = dict(os.environ, LD_PRELOAD=blas, SQUISHLIKE_NO_OPENBLAS="1")
+    if blas and blas not in os.environ.get("LD_PRELOAD", "") and switch("SQUISHLIKE_OPENBLAS"):
+        env = dict(os.environ, LD_PRELOAD=blas, SQUISHLIKE_OPENBLAS="0")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if args.clean:
         shutil.rmtree(args.workdir, ignore_errors=True)

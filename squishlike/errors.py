@@ -76,6 +76,10 @@ class DirectoryBusyError(SquishError, RuntimeError):
     """Another process holds the lock on this directory (two compress runs aimed at one OUT)."""
 
 
+class EnvironmentSwitchError(SquishError, ValueError):
+    """A SQUISHLIKE_* environment switch holds something other than 1 or 0 (squishlike/environment.py)."""
+
+
 class QuantizationError(SquishError, ValueError):
     """Input to a quantizer is unusable (NaN/inf, bad group size, shape)."""
 

@@ -15,12 +15,14 @@ from .errors import ModelNotFoundError
 
 def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path | str:
     """The local path of `path_or_repo`: the path itself, or the snapshot of the repo it names (downloaded unless
-    cached). What is neither comes back unchanged. ModelNotFoundError says why a repo could not be had."""
-    path = existing_path(path_or_repo)
-    if path is not None:
-        return path
+    cached). What is neither comes back unchanged, and so does a repo-shaped name whose first part is a local
+    directory: a mistyped local path, which the Hub would only confuse. ModelNotFoundError says why a repo could not be had."""
+    existing = existing_path(path_or_repo)
+    if existing is not None:
+        return existing
+    path = Path(path_or_repo).expanduser()
     ref = str(path_or_repo)
-    if not is_repo_id(ref):
+    if not is_repo_id(ref) or path.parent.name and path.parent.is_dir():  # "stores/nope" in a tree with stores/
         return ref
     from .formats.ollama import OllamaReader  # an untagged Ollama name ("llama3") is a valid repo id too
 

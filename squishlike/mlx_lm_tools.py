@@ -12,8 +12,11 @@ version, rather than half-work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
+import io
+import re
 import sys
 from typing import Any, Callable
 
@@ -57,11 +60,34 @@ def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = Non
         setattr(module, name, loader)
     sys.argv = [f"squishlike {tool}", *argv]  # argparse names the program after argv[0]
     try:
-        module.main()
+        # mlx_lm's chat forces colours (rich's truecolor) and moves the cursor whatever stdout is
+        plain = contextlib.nullcontext() if sys.stdout.isatty() else contextlib.redirect_stdout(_PlainText(sys.stdout))
+        with plain:
+            module.main()
     finally:
         for name, original in originals.items():
             setattr(module, name, original)
         sys.argv = saved_argv
+
+
+class _PlainText(io.TextIOBase):
+    """A text stream that drops terminal control sequences (colours, cursor moves, readline's prompt markers): a
+    tool's stdout when it is a pipe or a file."""
+
+    CONTROL = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|[\x01\x02]")
+
+    def __init__(self, stream: io.TextIOBase):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(self.CONTROL.sub("", text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
 
 
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:

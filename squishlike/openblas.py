@@ -14,6 +14,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from .environment import switch
+
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -37,16 +39,16 @@ def reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
 
     For the CLI to call first thing (before mlx does any work): on Linux with the CPU backend and a system
     OpenBLAS (see `find_openblas`), re-executes `python -m squishlike ARGS` with LD_PRELOAD set. Does nothing when
-    the library is missing, it is already preloaded, or SQUISHLIKE_NO_OPENBLAS is set. Returns only if it
+    the library is missing, it is already preloaded, or SQUISHLIKE_OPENBLAS=0 (set for the restarted process too). Returns only if it
     did nothing.
     """
     library = find_openblas()
     preload = os.environ.get("LD_PRELOAD", "")
-    if library is None or library in preload.split(":") or os.environ.get("SQUISHLIKE_NO_OPENBLAS"):
+    if library is None or library in preload.split(":") or not switch("SQUISHLIKE_OPENBLAS"):
         return
     if mx.default_device().type != mx.DeviceType.cpu:
         return
-    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (library, preload) if p), SQUISHLIKE_NO_OPENBLAS="1")
+    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (library, preload) if p), SQUISHLIKE_OPENBLAS="0")
     args = list(sys.argv[1:] if argv is None else argv)
     sys.stdout.flush()
     sys.stderr.flush()

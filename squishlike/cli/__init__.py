@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -83,10 +84,18 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `squishlike ... | head`: the reader has all it wanted, which is no failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail too
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, tool_argv = parser.parse_known_args(argv)
-    if tool_argv and args.mlx_lm_tool is None:
-        parser.error(f"unrecognized arguments: {' '.join(tool_argv)}")
+    if tool_argv and args.mlx_lm_tool is None:  # a mistyped flag of this subcommand: its usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(tool_argv)}")
     args.tool_argv = tool_argv
     if getattr(args, "fast_blas", False):  # float32 forward passes: 15x faster with the system OpenBLAS
         from ..openblas import reexec_with_openblas
@@ -95,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     tool_help = args.mlx_lm_tool is not None and not {"-h", "--help"}.isdisjoint(tool_argv)
     try:
         return args.run(args)  # with tool_help, the tool's parser prints its help and exits
+    except BrokenPipeError:  # no failure of the work (an OSError): main() ends quietly
+        raise
     except (*RUNTIME_ERRORS, *USAGE_ERRORS, OSError) as e:  # OSError: disk full, permission denied
         print(f"squishlike {args.command}: error: {as_flags(str(e), args.flags)}", file=sys.stderr)
         return 2 if isinstance(e, USAGE_ERRORS) and not isinstance(e, RUNTIME_ERRORS) else 1

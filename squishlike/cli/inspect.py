@@ -65,9 +65,15 @@ def summary(report: dict) -> list[str]:
     return lines
 
 
+NOTE_WIDTH = 24  # the narrowest the note column gets: a reason wrapped narrower would be a column of words
+
+
 def tensor_table(report: dict, width: int) -> list[str]:
     """One row per tensor: name, stored dtype, shape, size, and for an npy-dir the relative error and cosine of
-    a quantized tensor or why it is kept exact. The name and note columns shrink to fit `width`."""
+    a quantized tensor or why it is kept exact. Names are never cut: the note column takes the rest of `width`,
+    its words wrapped onto indented lines (at least NOTE_WIDTH wide: a terminal narrower than that scrolls)."""
+    import textwrap
+
     from tqdm import tqdm
 
     quality = report.get("quality", {})
@@ -78,20 +84,13 @@ def tensor_table(report: dict, width: int) -> list[str]:
         size = tqdm.format_sizeof(t["nbytes"], "B", divisor=1000)
         rows.append([t["canonical"], t["dtype"], "x".join(map(str, t["shape"])), size, note])
     header = ["tensor", "dtype", "shape", "size", "rel. error / cosine" if quality else ""]
-    fixed = [max(len(r[i]) for r in [header, *rows]) for i in (1, 2, 3)]
-    name_width = max(16, min(max(len(r[0]) for r in [header, *rows]), width - sum(fixed) - 8 - 20))
-    note_width = max(0, width - name_width - sum(fixed) - 8)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    indent = sum(widths) + 2 * 4
+    note_width = max(NOTE_WIDTH, width - indent)
     lines = []
-    for row in [header, *rows]:
-        name, dtype, shape, size, note = row
-        line = f"{fit(name, name_width):{name_width}}  {dtype:{fixed[0]}}  {shape:>{fixed[1]}}  {size:>{fixed[2]}}"
-        lines.append(f"{line}  {fit(note, note_width)}".rstrip())
+    for name, dtype, shape, size, note in [header, *rows]:
+        line = f"{name:{widths[0]}}  {dtype:{widths[1]}}  {shape:>{widths[2]}}  {size:>{widths[3]}}"
+        first, *rest = textwrap.wrap(note, note_width, break_long_words=False, break_on_hyphens=False) or [""]
+        lines.append(f"{line}  {first}".rstrip())
+        lines += [" " * indent + more for more in rest]
     return lines
-
-
-def fit(text: str, width: int) -> str:
-    """`text`, shortened in the middle to `width` characters when longer."""
-    if len(text) <= width:
-        return text
-    keep = max(width - 1, 0)
-    return text[: (keep + 1) // 2] + "…" + text[len(text) - keep // 2:] if keep else ""

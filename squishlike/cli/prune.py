@@ -16,9 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..npydir import NpyDir
-    from ..tiers import COLD, choice, prune
+    from pathlib import Path
 
+    from ..errors import FormatError
+    from ..npydir import MANIFEST, NpyDir
+    from ..tiers import BY_NAME, COLD, choice, prune
+
+    if Path(args.path).is_dir() and not (Path(args.path) / MANIFEST).exists():
+        raise FormatError(args.path, f"not a squishlike store (no {MANIFEST})")
     store = NpyDir(args.path)
     if args.keep is None:
         served, _ = choice(store)
@@ -27,5 +32,8 @@ def run(args: argparse.Namespace) -> int:
     for name, nbytes in freed.items():
         if nbytes:
             print(f"removed tier {name}: {nbytes / 1e6:.1f} MB")
-    print(f"{store.path}: freed {sum(freed.values()) / 1e6:.1f} MB; kept {', '.join(args.keep) or 'no tier'}")
+    kept = [name for name in args.keep if BY_NAME[name].ready(store)[0] is not None]
+    absent = [name for name in args.keep if name not in kept]
+    print(f"{store.path}: freed {sum(freed.values()) / 1e6:.1f} MB; kept {', '.join(kept) or 'no tier'}"
+          + "".join(f"; {name} is not on disk" for name in absent))
     return 0

@@ -8,8 +8,9 @@ floating-point parameters to float32, because bf16 and quantized matmuls are ver
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -116,10 +117,19 @@ def nll_sum(logprobs: mx.array, targets: mx.array) -> mx.array:
     return -mx.take_along_axis(logprobs, targets[:, None], axis=-1).sum()
 
 
-def perplexity(model: nn.Module, tokens_windows: Sequence[Window] | Sequence[Sequence[int]]) -> float:
+def on_a_terminal(windows: list[Window], progress: bool) -> Iterable[Window]:
+    """`windows`, with a progress bar on stderr when `progress` and stderr is a terminal (a forward pass per
+    window can take seconds: a 0.5B model's 2,048 tokens take minutes on a CPU)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(windows, desc="teacher-forced", unit="window", disable=None if progress else True, file=sys.stderr)
+
+
+def perplexity(model: nn.Module, tokens_windows: Sequence[Window] | Sequence[Sequence[int]],
+               progress: bool = False) -> float:
     """Teacher-forced perplexity: exp of the mean negative log-likelihood over all scored positions."""
     total, count = 0.0, 0
-    for window in _as_windows(tokens_windows):
+    for window in on_a_terminal(_as_windows(tokens_windows), progress):
         if window.n_scored == 0:
             continue
         logprobs, targets = window_logprobs(model, window)
@@ -152,8 +162,9 @@ def compare(
     model: nn.Module,
     reference: nn.Module | ReferenceCache,
     windows: Sequence[Window] | Sequence[Sequence[int]],
+    progress: bool = False,
 ) -> dict[str, float | int]:
-    """Teacher-forced comparison of `model` with `reference` on the same windows.
+    """Teacher-forced comparison of `model` with `reference` on the same windows (`progress`: see on_a_terminal).
 
     One forward pass per window per model (none for the reference when it is a `ReferenceCache` of these
     windows). Returns:
@@ -167,7 +178,7 @@ def compare(
     scored = [w for w in _as_windows(windows) if w.n_scored > 0]
     if isinstance(reference, ReferenceCache) and reference.windows != scored:
         raise ValueError("the reference cache was computed on other windows")
-    for i, window in enumerate(scored):
+    for i, window in enumerate(on_a_terminal(scored, progress)):
         lp_model, targets = window_logprobs(model, window)
         if isinstance(reference, ReferenceCache):
             lp_ref = reference.logprobs[i]

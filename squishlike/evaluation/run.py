@@ -49,8 +49,8 @@ def _timed(timings: dict[str, float], key: str, fn: Callable, *args) -> Any:
     return result
 
 
-def _perplexity_alone(model: nn.Module, windows: list[Window]) -> dict[str, Any]:
-    return {"perplexity": perplexity(model, windows), "positions": sum(w.n_scored for w in windows),
+def _perplexity_alone(model: nn.Module, windows: list[Window], progress: bool) -> dict[str, Any]:
+    return {"perplexity": perplexity(model, windows, progress), "positions": sum(w.n_scored for w in windows),
             "windows": len(windows)}
 
 
@@ -99,6 +99,12 @@ def evaluate(
         if not quiet:
             print(message, file=sys.stderr, flush=True)
 
+    from ..formats import detect_format
+    from ..provider import locate
+
+    for path in (model_path, reference_path):  # a wrong path is named before a load that can take minutes
+        if path is not None:
+            detect_format(locate(path))
     timings: dict[str, float] = {}
     model, tokenizer = _timed(timings, "load_model_s", loader, model_path)
     log(f"loaded {model_path} in {timings['load_model_s']:.1f} s")
@@ -115,11 +121,11 @@ def evaluate(
         "stride": window if stride is None else stride,
     }
     if reference_path is None:
-        result.update(_timed(timings, "perplexity_s", _perplexity_alone, model, windows))
+        result.update(_timed(timings, "perplexity_s", _perplexity_alone, model, windows, not quiet))
     else:
         reference, _ = _timed(timings, "load_reference_s", loader, reference_path)
         log(f"loaded reference {reference_path} in {timings['load_reference_s']:.1f} s")
-        result.update(_timed(timings, "compare_s", compare, model, reference, windows))
+        result.update(_timed(timings, "compare_s", compare, model, reference, windows, not quiet))
         log(f"teacher-forced comparison in {timings['compare_s']:.1f} s")
         prompt_list = list(load_prompts() if prompts is None else prompts)
         result.update(_timed(timings, "greedy_s", _greedy_comparison, model, reference, tokenizer, prompt_list,
@@ -133,7 +139,8 @@ def evaluate(
 def format_report(result: dict[str, Any]) -> str:
     """A short human-readable report of an `evaluate` result."""
     lines = [f"model:      {result['model']}"]
-    lines.append(f"text:       {result['text']}, {result['positions']} scored tokens in {result['windows']} windows")
+    windows = f"{result['windows']} window" + ("s" if result["windows"] != 1 else "")
+    lines.append(f"text:       {result['text']}, {result['positions']} scored tokens in {windows}")
     lines.append(f"perplexity: {result['perplexity']:.4f}")
     if result.get("reference") is not None:
         increase = result["perplexity"] / result["reference_perplexity"] - 1.0

@@ -21,12 +21,14 @@ import os
 import signal
 import time
 
+from ..environment import fault_setting
+
 _hits = 0  # how many boundaries matching SQUISHLIKE_FAULT_AT this process has passed
 
 
 def fault_point(label: str) -> None:
-    log = os.environ.get("SQUISHLIKE_FAULT_LOG")
-    target = os.environ.get("SQUISHLIKE_FAULT_AT")
+    log = fault_setting("SQUISHLIKE_FAULT_LOG")
+    target = fault_setting("SQUISHLIKE_FAULT_AT")
     if not (log or target):
         return
     if log:
@@ -39,9 +41,9 @@ def fault_point(label: str) -> None:
         return
     global _hits
     _hits += 1
-    if _hits != int(os.environ.get("SQUISHLIKE_FAULT_NTH", "1")):
+    if _hits != int(fault_setting("SQUISHLIKE_FAULT_NTH") or 1):
         return
-    action = os.environ.get("SQUISHLIKE_FAULT_ACTION", "kill")
+    action = fault_setting("SQUISHLIKE_FAULT_ACTION") or "kill"
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "sigint":

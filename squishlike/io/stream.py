@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..environment import switch
 from .checksum import Digests
 from .fault import fault_point
 
@@ -46,7 +47,7 @@ class StreamWriter:
         self.size = 0
         self._error: BaseException | None = None
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self.direct = hasattr(os, "O_DIRECT") and os.environ.get("SQUISHLIKE_DIRECT_IO", "1") != "0"
+        self.direct = hasattr(os, "O_DIRECT") and switch("SQUISHLIKE_DIRECT_IO")
         self._fd = -1
         if self.direct:
             try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import logging
 import sys
 import warnings
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..environment import switch
 from ..errors import FormatError, TierNotReadyError
 from ..io.atomic import remove_stale_temps, sweeping_temps
 from ..io.checksum import check_files
@@ -116,7 +116,7 @@ def _bytes_under(path: Path) -> int:
 
 def verify_wanted(verify: bool | None = None) -> bool:
     """`verify`, or when it is None the environment switch SQUISHLIKE_VERIFY=1."""
-    return verify if verify is not None else os.environ.get("SQUISHLIKE_VERIFY", "0") not in ("", "0")
+    return verify if verify is not None else switch("SQUISHLIKE_VERIFY")
 
 
 def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, verify: bool | None = None) -> Loaded:
@@ -178,6 +178,9 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
     chosen = BY_NAME[tier]
+    goal, order = target(store), ordered(ORDER)
+    if goal is not None and chosen in order and order.index(chosen) > order.index(goal):  # slower here, say why
+        log.warning("%s: tier %s is forced, but a load here would take %s: %s", store.path, tier, goal.name, reason())
     payload, why = chosen.ready(store)
     if payload is not None:
         if chosen is COLD:  # it checks the store's files as it loads them
@@ -276,6 +279,7 @@ def _cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, rechec
             loaded, dense = COLD.load_dense(store, only=needed, verify=verify)
             progress.update()
             built = build_tiers(store, dense, goals, progress)
+        say_built(store, built)  # after the progress bar, not inside it
         if dense_first:
             return loaded
         # A quantized tier: this load reads back what it built (page cache), as every later load will.
@@ -291,15 +295,14 @@ def _build_and_release(store: NpyDir, dense: dict[str, np.ndarray], goals: list[
     """A background build (background.py): the tiers, then the lock the load took for them."""
     try:
         with sweeping_temps(store.path):
-            build_tiers(store, dense, goals)
+            say_built(store, build_tiers(store, dense, goals))
     finally:
         lock.release()
 
 
 def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
     """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
-    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and logs (INFO)
-    each with its size on disk."""
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built."""
     built = []
     for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
@@ -307,13 +310,21 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], 
         try:
             tier.build(store, dense)
             built.append(tier.name)
-            log.info("%s: built tier %s (%.1f MB on disk; `squishlike prune` removes it)", store.path, tier.name,
-                     tier.disk_bytes(store) / 1e6)
         except OSError as e:  # disk full, read-only: the load still succeeds from the cold weights
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
         if progress is not None:
             progress.update()
     return built
+
+
+def say_built(store: NpyDir, built: list[str]) -> None:
+    """Say once what the tiers a load `built` added to the store's size on disk (a warning-level log line, which
+    Python prints even where logging was never set up): a first load that grows a 0.9 GB store to 2.1 GB should
+    not do it silently."""
+    if built:
+        added = sum(BY_NAME[name].disk_bytes(store) for name in built)
+        log.warning("%s: wrote the cache tier %s for faster loads (%.1f MB more on disk); `squishlike prune %s` "
+                    "removes it", store.path, " and ".join(built), added / 1e6, store.path)
 
 
 @contextlib.contextmanager

@@ -16,11 +16,12 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  registers its exit hook before ours (see the end of this module)
 import logging
-import os
 import sys
 import threading
 import time
 from typing import Callable
+
+from ..environment import switch
 
 log = logging.getLogger("squishlike")
 
@@ -30,7 +31,7 @@ _guard = threading.Lock()
 
 def background_wanted() -> bool:
     """Whether a first load hands its dense tier's build to a background thread (SQUISHLIKE_BACKGROUND_BUILD)."""
-    return os.environ.get("SQUISHLIKE_BACKGROUND_BUILD", "1") not in ("", "0")
+    return switch("SQUISHLIKE_BACKGROUND_BUILD")
 
 
 def start(label: str, build: Callable[[], None]) -> None:

@@ -33,6 +33,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from ..environment import switch
 from ..errors import FormatError
 from ..io.files import open_regular
 
@@ -47,7 +48,7 @@ _lock = threading.Lock()
 
 @cache
 def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or os.environ.get("SQUISHLIKE_HUGEPAGES", "1") == "0":
+    if not sys.platform.startswith("linux") or not switch("SQUISHLIKE_HUGEPAGES"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

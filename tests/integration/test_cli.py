@@ -276,8 +276,9 @@ def test_inspect_summary_first_and_fitted_to_the_terminal(tiny_llama, tmp_path):
         assert lines[4].split()[:4] == ["tiers", served, f"{report['tiers'][served]['bytes'] / 1e6:.1f}", "MB"]
         table = lines[lines.index("") + 1:]
         assert table[0].split()[:4] == ["tensor", "dtype", "shape", "size"]
-        assert len(table) == 1 + len(NpyDir(out).entries)
-        assert max(map(len, table)) <= columns
+        rows = [line.split()[0] for line in table[1:] if not line.startswith(" ")]  # the rest: wrapped notes
+        assert sorted(rows) == sorted(NpyDir(out).entries)  # every name whole, however narrow the terminal
+        assert columns < 100 or max(map(len, table)) <= columns
     assert served != "cold" and report["tiers"][served]["state"] == "ready" and report["architecture"] == "llama"
     assert report["bytes"] == sum(t["nbytes"] for t in report["tensors"]) > 0
     assert all(t["source"] and t["canonical"] in report["quality"] for t in report["tensors"])

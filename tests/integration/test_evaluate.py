@@ -311,19 +311,19 @@ def test_reexec_with_openblas(monkeypatch):
     calls = []
     monkeypatch.setattr(openblas.os, "execve", lambda *args: calls.append(args))
     monkeypatch.setattr(openblas, "find_openblas", lambda: "/lib/libopenblas.so.0")
-    monkeypatch.delenv("SQUISHLIKE_NO_OPENBLAS", raising=False)
+    monkeypatch.delenv("SQUISHLIKE_OPENBLAS", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/lib/other.so")
     openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1
     exe, argv, env = calls[0]
     assert argv[1:] == ["-m", "squishlike", "eval", "m"]
-    assert env["LD_PRELOAD"] == "/lib/libopenblas.so.0:/lib/other.so" and env["SQUISHLIKE_NO_OPENBLAS"] == "1"
+    assert env["LD_PRELOAD"] == "/lib/libopenblas.so.0:/lib/other.so" and env["SQUISHLIKE_OPENBLAS"] == "0"
     monkeypatch.setenv("LD_PRELOAD", "/lib/libopenblas.so.0")  # already preloaded: nothing to do
     openblas.reexec_with_openblas(["eval", "m"])
     monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setenv("SQUISHLIKE_NO_OPENBLAS", "1")  # opted out (or already restarted once)
+    monkeypatch.setenv("SQUISHLIKE_OPENBLAS", "0")  # opted out (or already restarted once)
     openblas.reexec_with_openblas(["eval", "m"])
     monkeypatch.setattr(openblas, "find_openblas", lambda: None)
-    monkeypatch.delenv("SQUISHLIKE_NO_OPENBLAS")
+    monkeypatch.delenv("SQUISHLIKE_OPENBLAS")
     openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1
