@@ -43,6 +43,8 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server, load_processor
 
 from .errors import ModelNotFoundError, ServerBusyError, SquishError
+from .npydir import NpyDir
+from .tiers.base import runtime_bytes
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 MODEL_FILES = ("config.json", "manifest.json")  # a model directory holds one of these; a GGUF is one file
@@ -235,9 +237,9 @@ class ModelManager:
 
     def _make_room(self, path: str) -> None:
         """Unload idle models, least recently used first, until `path` fits the budget beside the rest: at the size
-        it took when last loaded, or its size on disk, a guess checked once it is loaded (`_fit`). Waits up to
+        it took when last loaded, or the size expected, a guess checked once it is loaded (`_fit`). Waits up to
         --max-wait for models that are generating to finish; then ServerBusyError."""
-        needed = self._sizes.get(path) or disk_nbytes(path)
+        needed = self._sizes.get(path) or expected_nbytes(path)
         deadline = time.monotonic() + self.options.max_wait
         while self._resident_nbytes() + needed > self.options.max_memory:
             idle = [p for p, r in self._resident.items() if not r.in_flight]
@@ -293,8 +295,11 @@ def give_back_memory() -> None:
         trim(0)
 
 
-def disk_nbytes(path: str) -> int:
-    """The bytes of a model's files on disk (0 for a repo id, not on disk yet)."""
+def expected_nbytes(path: str) -> int:
+    """What a model never loaded here is expected to take: a store's tensors in their runtime dtype (what a dense
+    tier holds, at most), another model's files on disk (0 for a repo id not downloaded yet)."""
+    if NpyDir.is_npydir(path):
+        return runtime_bytes(NpyDir(path))
     root = Path(path)
     if root.is_file():
         return root.stat().st_size

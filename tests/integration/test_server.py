@@ -154,6 +154,21 @@ def test_a_budget_for_one_model_evicts_the_least_recently_used(root):
         assert resident_names(client) == ["tiny", "smol-int4"]
 
 
+def test_a_long_generation_blocks_no_other_model_and_a_swap_waits_at_most_max_wait(root):
+    with server(root, "--model-dir", root / "models", "--max-memory", "800MB", "--max-wait", "1") as (client, _, _):
+        ask(client, "tiny")
+        long = client.completions.create(model="smol-int8", prompt="1, 2, 3, 4, 5, 6, 7,", max_tokens=2000,
+                                         temperature=0, stream=True)
+        next(iter(long))  # smol-int8 is generating (counting, for long)
+        started = time.monotonic()
+        ask(client, "tiny")  # resident beside it: served at once, on its own thread
+        with pytest.raises(APIStatusError) as busy:  # smol-int4 needs smol-int8's memory
+            ask(client, "smol-int4")
+        assert busy.value.status_code == 503 and "--max-wait" in busy.value.response.json()["error"]
+        assert time.monotonic() - started < 60
+        long.close()
+
+
 def test_only_the_allowed_models_are_served_and_nothing_is_written_elsewhere(root):
     outside = root / "outside"
     before = sorted(str(p) for p in outside.rglob("*"))
