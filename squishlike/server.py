@@ -107,7 +107,7 @@ class ModelPolicy:
         """The names of the models this server can serve from disk: its --model, then each --model-dir's models."""
         names = [self.default] if self.default is not None else []
         for directory in self.model_dirs:
-            names += sorted(p.name for p in directory.iterdir() if p.parent == directory and is_model(p))
+            names += sorted(p.name for p in directory.iterdir() if is_model(p))
         return names
 
 
@@ -176,21 +176,35 @@ class ModelManager:
             return all(r.generator.is_healthy for r in self._resident.values())
 
     def acquire(self, name: str, keep_alive: Any = None) -> Resident:
-        """The resident model `name` names, loaded first if it is not, marked in use until `release`."""
+        """The resident model `name` names, loaded first if it is not, marked in use until `release`. A request
+        for a resident model never waits for another model's load."""
         keep = self.options.keep_alive if keep_alive is None else parse_duration(keep_alive)
         path = self.policy.resolve(name)
+        with self._changed:
+            resident = self._use(path, keep)
+        if resident is not None:
+            return resident
         with self._loading:
             with self._changed:
-                resident = self._resident.get(path)
-                if resident is None:
-                    self._make_room(path)
-            if resident is None:
-                resident = self._load_resident(path, keep)
-            with self._changed:
-                self._resident.move_to_end(path)
-                resident.in_flight += 1
-                resident.keep_alive = keep
-                return resident
+                resident = self._use(path, keep)  # loaded by another request meanwhile
+                if resident is not None:
+                    return resident
+                self._make_room(path)
+            try:
+                return self._load_resident(path, keep)
+            except ModelNotFoundError as e:  # a repo id: its message names this machine's HF cache
+                logging.error(str(e))
+                raise ModelNotFoundError(name, "cannot be had from the Hugging Face Hub here; the server's log "
+                                               "says why") from None
+
+    def _use(self, path: str, keep_alive: float | None) -> Resident | None:
+        """The resident model at `path`, marked in use (with _changed held); None if it is not resident."""
+        resident = self._resident.get(path)
+        if resident is not None:
+            self._resident.move_to_end(path)
+            resident.in_flight += 1
+            resident.keep_alive = keep_alive
+        return resident
 
     def release(self, resident: Resident) -> None:
         with self._changed:
@@ -225,7 +239,7 @@ class ModelManager:
         provider = ResidentProvider(self.cli_args, path, loaded)
         generator = ResponseGenerator(provider, LRUPromptCache(self.cli_args.prompt_cache_size))
         nbytes = model_nbytes(provider.model)
-        resident = Resident(path, generator, nbytes, keep_alive)
+        resident = Resident(path, generator, nbytes, keep_alive, in_flight=1)  # for the request that asked
         with self._changed:
             self._resident[path] = resident
             self._sizes[path] = nbytes

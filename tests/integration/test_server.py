@@ -189,6 +189,8 @@ def test_hub_repo_ids_only_with_allow_hub(root):
     with server(root, "--model-dir", root / "models", "--allow-hub") as (client, _, _log):
         with pytest.raises(APIStatusError) as e:  # offline here: the repo is asked for, and not found
             ask(client, "HuggingFaceTB/no-such-repo")
-        assert "only its --model" not in e.value.response.json()["error"]
+        message = e.value.response.json()["error"]
+        assert e.value.status_code == 404 and "only its --model" not in message
+        assert "cache" not in message and str(root) not in message
         with pytest.raises(NotFoundError):  # a local path stays refused
             ask(client, str(root / "outside" / "secret"))
