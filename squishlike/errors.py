@@ -68,6 +68,10 @@ class OutputExistsError(SquishError, FileExistsError):
     never replaces a directory that is not an npy-dir."""
 
 
+class ServerBusyError(SquishError, RuntimeError):
+    """`squishlike server`: the memory a request's model needs is held by models still generating (HTTP 503)."""
+
+
 class TierNotReadyError(SquishError, RuntimeError):
     """A tier was forced with tier=... but its sentinel is missing, stale or invalid."""
 

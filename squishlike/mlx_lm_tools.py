@@ -35,9 +35,10 @@ def check_mlx_lm_version(version: str) -> None:
         )
 
 
-def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = None, **load_options: Any) -> None:
+def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = None,
+             seams: dict[str, Callable[..., Any]] | None = None, **load_options: Any) -> None:
     """Run `mlx_lm <tool> ARGV` with squishlike.load(..., **load_options) as its loader (`tier=`, say), or with
-    `loader` in its place."""
+    `loader` in its place; `seams` rebinds more of the tool module's names for the run (the server's `run`)."""
     import mlx_lm
     import mlx_lm.utils
 
@@ -52,12 +53,12 @@ def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = Non
             f"name `load`, the seam squishlike replaces"
         )
     saved_argv = sys.argv
-    seams = {"load": loader or functools.partial(load, **load_options)}
+    seams = {"load": loader or functools.partial(load, **load_options), **(seams or {})}
     if getattr(module, "sharded_load", None) is mlx_lm.utils.sharded_load:  # chat, server: under mlx.launch
         seams["sharded_load"] = sharded_load
     originals = {name: getattr(module, name) for name in seams}
-    for name, loader in seams.items():
-        setattr(module, name, loader)
+    for name, replacement in seams.items():
+        setattr(module, name, replacement)
     sys.argv = [f"squishlike {tool}", *argv]  # argparse names the program after argv[0]
     try:
         # mlx_lm's chat forces colours (rich's truecolor) and moves the cursor whatever stdout is

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBCOMMANDS:
         command = importlib.import_module(f"{__name__}.{name}")
         tool = getattr(command, "MLX_LM_TOOL", None)
+        # a tool's flags reach the tool whole: `--model` must not read as an abbreviation of our `--model-dir`
         command_parser = sub.add_parser(name, help=command.HELP, description=command.__doc__, add_help=tool is None,
-                                        formatter_class=HelpFormatter)
+                                        allow_abbrev=tool is None, formatter_class=HelpFormatter)
         command.add_arguments(command_parser)
         command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, parser=command_parser)
         flags[name] = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}

@@ -1,11 +1,72 @@
-"""mlx_lm's OpenAI-compatible HTTP server (`mlx_lm server`), with models loaded by squishlike.load: the same flags
-(`squishlike server --help` lists them) and the same API. A request's `model` field names a store, a model
-directory, a GGUF file or a Hugging Face repo, and switches to it, as in mlx_lm. `--tier TIER` forces a tier."""
+"""mlx_lm's OpenAI-compatible HTTP server (`mlx_lm server`) with Ollama-style model management, loading through
+squishlike: mlx_lm's flags and API, plus the options below. A request's `model` names the `--model` the server was
+started with, a model directly under a `--model-dir` (by its name or path), or, with `--allow-hub`, a Hugging Face
+repo id; any other name gets HTTP 404. Models load on their first request, stay resident within `--max-memory`
+(least recently used evicted first) and unload after `--keep-alive` idle seconds; `GET /api/ps` shows them.
+docs/server.md compares each flag with mlx_lm.server's."""
 
 from __future__ import annotations
 
-from ..mlx_lm_tools import add_tool_arguments, run_tool_command
+import argparse
+import functools
+import re
+from pathlib import Path
 
-HELP = "mlx_lm's OpenAI-compatible HTTP server, loading through squishlike (flags as `mlx_lm server`)"
+from ..mlx_lm_tools import add_tool_arguments
+
+HELP = "mlx_lm's OpenAI-compatible HTTP server with model management, loading through squishlike"
 MLX_LM_TOOL = "server"
-add_arguments, run = add_tool_arguments, run_tool_command  # the shared pair of every tool subcommand
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8GB", "512MB", "8G" or a plain number (powers of ten, as mlx_lm's --prompt-cache-bytes)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", text.strip().upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 8GB or 512MB")
+    return int(float(match[1]) * 1000 ** " KMGT".index(match[2] or " "))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_tool_arguments(parser)
+    parser.add_argument("--model-dir", type=Path, action="append", metavar="DIR",
+                        help="serve the models directly under DIR, by name (repeatable); the server writes tier "
+                        "caches only into these and --model")
+    parser.add_argument("--allow-hub", action="store_true",
+                        help="also serve Hugging Face repo ids a request names (downloaded into the HF cache)")
+    parser.add_argument("--max-memory", type=parse_size, metavar="BYTES",
+                        help="memory budget of the resident models, e.g. 8GB; the least recently used idle model "
+                        "is unloaded to make room (default: half the physical memory)")
+    parser.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                        help="unload a model idle this long (seconds, or 30s, 5m, 1h; negative: never); a "
+                        "request's keep_alive field sets it for its model")
+    parser.add_argument("--max-wait", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a request waits for generating models to free the memory its model needs, "
+                        "before HTTP 503")
+    parser.add_argument("--preload", action="store_true", help="load --model at start instead of on first request")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..loader import load
+    from ..mlx_lm_tools import run_tool
+    from ..server import ServerOptions, parse_duration, serve
+
+    options = ServerOptions(model_dirs=args.model_dir or [], allow_hub=args.allow_hub, max_wait=args.max_wait,
+                            keep_alive=parse_duration(args.keep_alive), preload=args.preload)
+    if args.max_memory is not None:
+        options.max_memory = args.max_memory
+    loader = functools.partial(load, tier=args.tier)
+    for directory in options.model_dirs:
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{directory}: --model-dir is not a directory")
+
+    import mlx_lm.server
+
+    single_model_run = mlx_lm.server.run
+
+    def managed_run(host: str, port: int, model_provider) -> None:  # in place of mlx_lm.server.run
+        if model_provider.is_distributed:  # under mlx.launch: one sharded model, mlx_lm's way
+            return single_model_run(host, port, model_provider)
+        serve(host, port, model_provider.cli_args, options, loader)
+
+    run_tool("server", args.tool_argv, loader=loader, seams={"run": managed_run})
+    return 0

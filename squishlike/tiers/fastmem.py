@@ -289,18 +289,20 @@ class _Populator:
                   extra={"load_phases": {"populate": done}})
 
 
-_streams: dict[int, tuple[mx.Stream, ...]] = {}
+_streams = threading.local()  # MLX streams belong to the thread that made them
 
 
 def cpu_streams() -> tuple[mx.Stream, ...]:
     """One CPU stream per core (at most 4): each runs its own thread, so loads on them run in parallel.
 
-    Made once per process (keyed by pid: a forked child must not use streams whose threads stayed behind)."""
+    Made once per thread (a stream of another thread cannot be used here: a server loads each model on its own
+    thread) and per process (a forked child must not use streams whose threads stayed behind)."""
     pid = os.getpid()
-    if pid not in _streams:
+    if getattr(_streams, "pid", None) != pid:
         count = _cores()
-        _streams[pid] = (mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(count - 1)))
-    return _streams[pid]
+        _streams.pid = pid
+        _streams.streams = (mx.default_stream(mx.cpu), *(mx.new_stream(mx.cpu) for _ in range(count - 1)))
+    return _streams.streams
 
 
 def assign_streams(sizes: Mapping[str, int]) -> dict[str, int]:

@@ -97,3 +97,21 @@ def test_fresh_process_loads_generates_and_exits_cleanly(int4_store, tier):
                               timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().startswith("'")
+
+
+def test_loads_on_other_threads_than_the_first(int4_store):
+    """MLX streams belong to the thread that made them: a second load on another thread (a server loads each
+    model away from its main thread) gets its own, and the same weights."""
+    import threading
+
+    from mlx.utils import tree_flatten
+
+    first, _ = squishlike.load(int4_store)
+    loaded = {}
+    thread = threading.Thread(target=lambda: loaded.update(model=squishlike.load(int4_store)[0]))
+    thread.start()
+    thread.join(timeout=300)
+    assert "model" in loaded
+    expected = dict(tree_flatten(first.parameters()))
+    for name, value in tree_flatten(loaded["model"].parameters()):
+        assert (value == expected[name]).all().item(), name

@@ -56,11 +56,13 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(model: Path, log: Path, startup_s: float = 300):
-    """`squishlike server --model MODEL` on a free port of 127.0.0.1; its base URL once it answers. Always killed."""
+    """`squishlike server --model MODEL --model-dir (its parent)` on a free port of 127.0.0.1; its base URL once it
+    answers. Always killed."""
     port = free_port()
     with open(log, "w") as out:
         server = subprocess.Popen(
-            squishlike_command("server", "--model", model, "--port", port, "--log-level", "DEBUG"),
+            squishlike_command("server", "--model", model, "--model-dir", model.parent, "--port", port,
+                               "--log-level", "DEBUG"),
             stdout=out, stderr=subprocess.STDOUT,
         )
     try:
@@ -98,7 +100,7 @@ def test_server_answers_openai_requests_and_switches_stores(stores, tmp_path):
         missing = tmp_path / "no-such-store"
         with pytest.raises(NotFoundError) as refused:
             client.chat.completions.create(model=str(missing), messages=ask, max_tokens=2)
-        assert f"{missing}: no such file or directory" in refused.value.response.json()["error"]
+        assert f"{missing}: this server serves only" in refused.value.response.json()["error"]
 
 
 def test_generate_reads_stdin_and_prints_mlx_lm_speed_lines(stores):
