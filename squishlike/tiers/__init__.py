@@ -38,7 +38,7 @@ from .cold import ColdTier
 from .finalized import FinalizedTier
 from .int8 import Int8Tier
 from .mlx import MlxTier
-from .order import ordered, reason
+from .order import caches_by_default, ordered, reason
 from .quantized import Int3Tier, Int4Tier
 
 log = logging.getLogger("squishlike")
@@ -66,9 +66,12 @@ def target(store: NpyDir) -> Tier | None:
 
 
 def first_builds(store: NpyDir) -> list[Tier]:
-    """The tiers the cold path builds: the one loads will take, or with a policy that says "all", every tier in it."""
+    """The tiers the cold path builds: the one loads will take where this device caches by default (order.CACHES),
+    or with a policy that names its tiers ("all"), every tier in it."""
     if store.manifest.policy.build == "all":
         return [t for t in ordered(ORDER) if t.wanted(store)]
+    if not caches_by_default():
+        return []
     return [t for t in [target(store)] if t is not None]
 
 
@@ -78,10 +81,12 @@ def choice(store: NpyDir) -> tuple[str, str]:
     ready = next((t for t in ordered(ORDER) if t.ready(store)[0] is not None), None)
     if ready is not None:
         return ready.name, f"the first ready tier in the order {_names()} ({why})"
-    goal = target(store)
-    if goal is None:
+    goals = first_builds(store)
+    if not goals:
+        if target(store) is not None:
+            return COLD.name, "no cache tier is ready, and on this device none is faster than the store itself"
         return COLD.name, "no cache tier is ready and the policy asks for none"
-    return COLD.name, f"no cache tier is ready; this load builds tier {goal.name}, later loads take it ({why})"
+    return COLD.name, f"no cache tier is ready; this load builds tier {goals[0].name}, later loads take it ({why})"
 
 
 def _names() -> str:
@@ -294,8 +299,8 @@ def _build_and_release(store: NpyDir, dense: dict[str, np.ndarray], goals: list[
 
 def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
     """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
-    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and logs (INFO)
-    each with its size on disk."""
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built, and says once
+    (a WARNING) what it wrote and how much, so a user is never surprised by the disk a load took."""
     built = []
     for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:
@@ -303,12 +308,14 @@ def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], 
         try:
             tier.build(store, dense)
             built.append(tier.name)
-            log.info("%s: built tier %s (%.1f MB on disk; `squishlike prune` removes it)", store.path, tier.name,
-                     tier.disk_bytes(store) / 1e6)
         except OSError as e:  # disk full, read-only: the load still succeeds from the cold weights
             warnings.warn(f"{store.path}: could not build tier {tier.name} ({e}); it stays unbuilt")
         if progress is not None:
             progress.update()
+    if built:
+        sizes = ", ".join(f"{name} {BY_NAME[name].disk_bytes(store) / 1e6:.1f} MB" for name in built)
+        log.warning("%s: this first load wrote cache tiers beside the store (%s); `squishlike prune` removes them",
+                    store.path, sizes)
     return built
 
 
