@@ -175,3 +175,23 @@ def test_passthrough_rules_recorded(tiny_llama, tmp_path):
         for suffix in e.files:
             assert (out / "tensors" / f"{e.key}__{suffix}.npy").is_file()
 
+
+def test_every_tensor_of_a_cache_file_starts_on_a_16k_boundary(tiny_llama, tmp_path):
+    """So Metal can wrap a mapping of the file without a copy; mx.load (the CPU path) reads the gaps fine."""
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "int4"))
+    cold, _ = squishlike.load(out)
+    for path in (out / "squish_weights.safetensors", out / "squish_4bit" / "model.safetensors"):
+        raw = path.read_bytes()
+        start = 8 + int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:start])
+        header.pop("__metadata__")
+        assert start % (16 << 10) == 0 and len(header) >= len(NpyDir(out).entries)
+        assert all(entry["data_offsets"][0] % (16 << 10) == 0 for entry in header.values())
+        assert set(mx.load(str(path))) == set(header)
+    for tier in ("mlx", "int4"):
+        assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
+    # A tier file packed the old way (no gaps) is not the one this tier wrote: damaged, skipped, rebuilt.
+    packed = out / "squish_weights.safetensors"
+    mx.save_safetensors(str(packed), mx.load(str(packed)), metadata={"format": "mlx"})
+    with pytest.warns(UserWarning, match="tier mlx is damaged"):
+        assert load_weights(NpyDir(out)).tier == "cold"
