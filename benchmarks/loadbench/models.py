@@ -1,5 +1,6 @@
 """The benchmark's source models: the embedded SmolLM2-135M as an MLX bf16 directory, and a directory with the
-exact shapes of a 1.5B Qwen2 and random bf16 weights. Each is built once, atomically, and reused."""
+exact shapes of a 1.5B Qwen2 and random bf16 weights; and mlx_lm's own quantized conversions of a source, the
+models an MLX user would load instead. Each is built once, atomically, and reused."""
 
 from __future__ import annotations
 
@@ -140,4 +141,16 @@ def build_smollm_source(dest: Path) -> Path:
                 weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
                 mx.save_safetensors(str(f), weights, metadata=metadata or {"format": "mlx"})
             del weights
+    return dest
+
+
+def build_mlx_lm_conversion(source: Path, dest: Path, bits: int) -> Path:
+    """`mlx_lm.convert -q --q-bits BITS --q-group-size 64` of `source`: the baseline a user would otherwise load."""
+    dest = Path(dest)
+    if _built(dest):
+        return dest
+    import mlx_lm
+
+    with _build_into(dest) as tmp:
+        mlx_lm.convert(str(source), str(tmp), quantize=True, q_bits=bits, q_group_size=64)
     return dest

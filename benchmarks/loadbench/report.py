@@ -46,6 +46,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {fig['label']}: until its tier is on disk (built on a background thread) "
                          f"| {b['median']:.2f} | {b['min']:.2f} | {b['max']:.2f} "
                          f"| {f['mlx_lm']['wall_s']['median'] / b['median']:.2f}x | | | | | | |")
+        if "disk_after" in fig:  # what the first load left on disk: the store plus every cache it wrote
+            lines.append(f"| {fig['label']}: the directory after it (store plus caches) | | | | | | | | | "
+                         f"| {fig['disk_after']['max'] / GB:.2f} GB |")
     lines += _table(
         "| in-process load (mlx_lm imported before) | median s | min s | max s | vs mlx_lm.load | whole process s |",
         "|---|---:|---:|---:|---:|---:|",
@@ -54,10 +57,11 @@ def markdown(result: dict) -> str:
          for fig in f.values() if fig["group"] == "inproc"])
     lines += _table(
         "| whole process, default tier | to ready s | vs mlx_lm | to first token s (64-token prompt) | vs mlx_lm "
-        "| tokens/s after it | vs mlx_lm |", "|---|---:|---:|---:|---:|---:|---:|",
+        "| tokens/s after it | vs mlx_lm | peak RSS |", "|---|---:|---:|---:|---:|---:|---:|---:|",
         [f"| {fig['label']} | {fig['ready_s']['median']:.2f} | {fig.get('ready_speedup_vs_mlx_lm', 0):.2f}x "
          f"| {fig['wall_s']['median']:.2f} | {fig.get('speedup_vs_mlx_lm', 0):.2f}x "
-         f"| {fig['tokens_per_s']['median']:.2f} | {fig.get('tokens_per_s_vs_mlx_lm', 0):.2f}x |"
+         f"| {fig['tokens_per_s']['median']:.2f} | {fig.get('tokens_per_s_vs_mlx_lm', 0):.2f}x "
+         f"| {max(r['rss_peak'] for r in fig['runs']) / GB:.2f} GB |"
          for fig in f.values() if fig["group"] == "ttft"])
     lines += _table(
         "| floor | read s (median / min / max) | GB/s | process s (median) | bytes |", "|---|---:|---:|---:|---:|",

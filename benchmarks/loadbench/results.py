@@ -31,7 +31,7 @@ def results(configs, source, workdir, name, runs, prime, elapsed) -> dict:
         fig = {"label": c.label, "group": c.group, "wall_s": _summary([r["wall_s"] for r in c.runs]),
                "bytes_on_disk": size(c.files), "weight_bytes": c.weight_bytes, "runs": c.runs}
         for k in ("weights_s", "tokenizer_s", "import_s", "load_s", "read_s", "compress_s", "ready_s", "tokens_per_s",
-                  "process_s", "built_s"):
+                  "process_s", "built_s", "disk_after"):
             vals = [r[k] for r in c.runs if k in r]
             if vals:
                 fig[k] = _summary(vals)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from squishlike.loadtime import measure_load, run_child
 
-from .models import build_qwen_like, build_smollm_source
+from .models import build_mlx_lm_conversion, build_qwen_like, build_smollm_source
 from .pagecache import evict, prime_memory, warm
 from .report import markdown, plot
 from .results import GB, results
@@ -49,8 +49,11 @@ class Config:
         return report
 
 
-WARM_KEYS = ("mlx_lm", "int4", "int8", "mlx", "finalized", "cold-tier-int8", "cold-tier-int4")
-QUICK_KEYS = ("mlx_lm", "int4", "int8", "mlx", "finalized", "cold-tier-int4")
+WARM_KEYS = ("mlx_lm", "mlx_lm-4bit", "mlx_lm-8bit", "int4", "int8", "mlx", "finalized", "cold-tier-int8",
+             "cold-tier-int4")
+QUICK_KEYS = ("mlx_lm", "mlx_lm-4bit", "mlx_lm-8bit", "int4", "int8", "mlx", "finalized", "cold-tier-int4")
+# mlx_lm's own conversions (`mlx_lm.convert -q`, group size 64): what an MLX user loads instead of bf16.
+CONVERSIONS = {"mlx_lm-4bit": 4, "mlx_lm-8bit": 8}
 
 
 def _in_process(loader: str, path: Path, tier: str | None, dropped_bytes: int):
@@ -59,6 +62,15 @@ def _in_process(loader: str, path: Path, tier: str | None, dropped_bytes: int):
     def once() -> dict:
         report = measure_load(path, loader=loader, tier=tier, in_process=True, dropped_bytes=dropped_bytes)
         return {**report, "process_s": report["wall_s"], "wall_s": report["load_s"]}
+    return once
+
+
+def _first_load(store: Path):
+    """A run of a first-load figure: a fresh npy-dir's load, and the bytes of the directory after it (store plus
+    every cache the load wrote, its background build included: the child waits for it)."""
+    def once() -> dict:
+        report = measure_load(store, loader="squishlike")
+        return {**report, "disk_after": size(all_files(store))}
     return once
 
 
@@ -77,6 +89,7 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     int4 = prepare_store(source, work / f"{name}-int4", "int4", with_finalized=False)
     fresh8 = fresh_clone(int8, work / f"{name}-int8-fresh")
     fresh4 = fresh_clone(int4, work / f"{name}-int4-fresh")
+    converted = {key: build_mlx_lm_conversion(source, work / f"{name}-{key}", bits) for key, bits in CONVERSIONS.items()}
     src_files = source_files(source)
     src_bytes = size(src_files)
     slack = 256 << 20
@@ -90,6 +103,8 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
 
     loads = [
         ("mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source, None, src_files),
+        *[(key, f"mlx_lm.load ({key.removeprefix('mlx_lm-')} conversion, g64)", "mlx_lm", path, None,
+           source_files(path)) for key, path in converted.items()],
         ("int4", "squishlike int4 tier", "squishlike", int4, "int4", tier_files(int4, "int4")),
         ("int8", "squishlike int8 tier (g64)", "squishlike", int8, "int8", tier_files(int8, "int8")),
         ("mlx", "squishlike mlx tier", "squishlike", int8, "mlx", tier_files(int8, "mlx")),
@@ -103,6 +118,7 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     in_memory = {k: src_bytes for k in WARM_KEYS}
     in_memory["int4"] = size(tier_files(int4, "int4"))
     in_memory["int8"] = size(tier_files(int8, "int8"))
+    in_memory.update({key: size(source_files(path)) for key, path in converted.items()})
     for key, label, loader, path, tier, files in loads:
         configs.append(Config(key, label, "warm", load(loader, path, tier), files=files, weight_bytes=in_memory[key],
                               prime=in_memory[key] + slack, baseline="mlx_lm", load=(loader, path, tier),
@@ -112,12 +128,14 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     configs.append(Config("startup", "startup floor: interpreter, import mlx_lm, tokenizer (no weights)", "warm",
                           lambda: _probe(["startup", str(source)]), baseline="mlx_lm"))
     for key, label, loader, path, tier, files in loads:
-        if key in ("mlx_lm", "int4", "mlx", "finalized"):
+        if key in ("mlx_lm", *CONVERSIONS, "int4", "mlx", "finalized", "cold-tier-int4"):
             configs.append(Config(f"inproc-{key}", f"in-process: {label}", "inproc",
                                   _in_process(loader, path, tier, in_memory[key] + slack),
                                   files=files, weight_bytes=in_memory[key], baseline="inproc-mlx_lm"))
     if generate:
         for key, label, loader, path in [("ttft-mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source),
+                                         *[(f"ttft-{key}", f"mlx_lm.load ({key.removeprefix('mlx_lm-')} "
+                                            "conversion, g64)", "mlx_lm", path) for key, path in converted.items()],
                                          ("ttft-default", "squishlike, default tier (int4 store)", "squishlike",
                                           int4)]:
             configs.append(Config(key, f"to first token: {label}", "ttft", _to_first_token(loader, path, generate),
@@ -131,7 +149,7 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     firsts = [("first-int8", "first load, fresh int8 npy-dir (builds the tier this device takes)", fresh8),
               ("first-int4", "first load, fresh int4 npy-dir (builds the tier this device takes)", fresh4)]
     for key, label, store in firsts[1:] if quick else firsts:
-        configs.append(Config(key, label, "first", load("squishlike", store), files=tier_files(store, "cold"),
+        configs.append(Config(key, label, "first", _first_load(store), files=tier_files(store, "cold"),
                               weight_bytes=src_bytes, prime=src_bytes + slack, baseline="mlx_lm",
                               before=lambda s=store: reset_fresh(s)))
     if cold:

@@ -94,33 +94,43 @@ def tensor_of(name: str, array: mx.array) -> Tensor:
     return Tensor(name, dtype_name(array.dtype), tuple(array.shape), array)
 
 
-def layout(tensors: list[Tensor]) -> dict[str, dict]:
-    """The header entries `write_tensors` writes for `tensors`: each tensor's data right after the previous one's."""
+def layout(tensors: list[Tensor], align: int = 8) -> dict[str, dict]:
+    """The header entries `write_tensors` writes for `tensors`: each tensor's data after the previous one's, at the
+    next multiple of `align` (8: packed, as the safetensors format asks; more leaves gaps, see `write_tensors`)."""
     header, offset = {}, 0
     for name, dtype, shape, _ in tensors:
         if dtype not in _ST_NAMES:
             raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
         nbytes = math.prod(shape) * DTYPES[_ST_NAMES[dtype]].size
+        offset += -offset % align
         header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     return header
 
 
-def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields, data 8-byte aligned),
-    then each tensor's bytes, streamed from its buffer without an intermediate copy of the model."""
+def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None,
+                  align: int = 8) -> None:
+    """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields), then each tensor's
+    bytes, streamed from its buffer without an intermediate copy of the model, each starting on a multiple of
+    `align` in the file. Above 8 (squishlike's caches: 16 KiB, so Metal can wrap a mapping of the file without a
+    copy) the zero gaps between tensors are more than the safetensors library accepts ("invalid offset"); mx.load,
+    and with it mlx_lm.load, reads them."""
     header: dict = {"__metadata__": metadata} if metadata else {}
-    header.update(layout(tensors))
+    header.update(layout(tensors, align))
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(8 + len(blob)) % align)  # the data starts aligned (the format allows trailing spaces)
     w.write(len(blob).to_bytes(8, "little") + blob)
+    written = 0
     for name, dtype, shape, data in tensors:
         buffer = data() if callable(data) else data
         start, end = header[name]["data_offsets"]
         if memoryview(buffer).nbytes != end - start:
             raise ValueError(f"{name}: {memoryview(buffer).nbytes} bytes of data for {dtype}{list(shape)} "
                              f"({end - start} bytes)")
+        if start > written:
+            w.write(bytes(start - written))
         w.write(buffer)
+        written = end
         del buffer
 
 
@@ -131,8 +141,8 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> dict:
     return dict(pairs)
 
 
-def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None) -> None:
-    """The cheap structural check of a file squishlike wrote: its header must be exactly `layout(tensors)` (names,
+def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None, align: int = 8) -> None:
+    """The cheap structural check of a file squishlike wrote: its header must be exactly `layout(tensors, align)` (names,
     dtypes, shapes, offsets, in that order: a swapped name or a relabelled dtype is refused) and the file exactly
     as long as that data. Reads the header only. FormatError naming `path` otherwise."""
     with open_regular(path, root) as f:
@@ -148,31 +158,25 @@ def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None) ->
     if not isinstance(header, dict):
         raise FormatError(path, "safetensors header is not an object")
     header.pop("__metadata__", None)
-    expected = layout(tensors)
+    expected = layout(tensors, align)
     if header != expected:
         name = next((n for n in expected if header.get(n) != expected[n]), None) or next(iter(header.keys() - expected))
         raise FormatError(path, f"header entry {name!r} is {header.get(name)}, the tier wrote {expected.get(name)}")
     data = max((e["data_offsets"][1] for e in expected.values()), default=0)
     if size != 8 + length + data:
         raise FormatError(path, f"is {size} bytes; its header describes {8 + length + data}")
+    if (8 + length) % align:
+        raise FormatError(path, f"its data starts at byte {8 + length}, not on a multiple of {align}")
 
 
 def write_safetensors(final: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None,
-                      atomic: bool = True) -> dict:
+                      atomic: bool = True, align: int = 8) -> dict:
     """Write one safetensors file and return its file record (size, checksum). Atomic (temp name, fsync, rename)
-    unless `atomic=False`: straight to `final`, for a file inside a temp directory published as a whole."""
+    unless `atomic=False`: straight to `final`, for a file inside a temp directory published as a whole. `align`:
+    see write_tensors."""
     with (atomic_file(final) if atomic else stream_file(final)) as w:
-        write_tensors(w, tensors, metadata)
+        write_tensors(w, tensors, metadata, align)
     return w.record()
-
-
-def file_order(path: Path) -> list[str] | None:
-    """The tensor names of a safetensors file in the order of their data, or None when the header is invalid."""
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            return list(f.offset_keys())
-    except (SafetensorError, OSError):
-        return None
 
 
 class SafetensorsFile:

@@ -38,7 +38,7 @@ from .cold import ColdTier
 from .finalized import FinalizedTier
 from .int8 import Int8Tier
 from .mlx import MlxTier
-from .order import ordered, reason
+from .order import caches_by_default, ordered, reason
 from .quantized import Int3Tier, Int4Tier
 
 log = logging.getLogger("squishlike")
@@ -66,9 +66,12 @@ def target(store: NpyDir) -> Tier | None:
 
 
 def first_builds(store: NpyDir) -> list[Tier]:
-    """The tiers the cold path builds: the one loads will take, or with a policy that says "all", every tier in it."""
+    """The tiers the cold path builds: the one loads will take where this device caches by default (order.CACHES),
+    or with a policy that names its tiers ("all"), every tier in it."""
     if store.manifest.policy.build == "all":
         return [t for t in ordered(ORDER) if t.wanted(store)]
+    if not caches_by_default():
+        return []
     return [t for t in [target(store)] if t is not None]
 
 
@@ -78,10 +81,12 @@ def choice(store: NpyDir) -> tuple[str, str]:
     ready = next((t for t in ordered(ORDER) if t.ready(store)[0] is not None), None)
     if ready is not None:
         return ready.name, f"the first ready tier in the order {_names()} ({why})"
-    goal = target(store)
-    if goal is None:
+    goals = first_builds(store)
+    if not goals:
+        if target(store) is not None:
+            return COLD.name, "no cache tier is ready, and on this device none is faster than the store itself"
         return COLD.name, "no cache tier is ready and the policy asks for none"
-    return COLD.name, f"no cache tier is ready; this load builds tier {goal.name}, later loads take it ({why})"
+    return COLD.name, f"no cache tier is ready; this load builds tier {goals[0].name}, later loads take it ({why})"
 
 
 def _names() -> str:
@@ -302,7 +307,8 @@ def _build_and_release(store: NpyDir, dense: dict[str, np.ndarray], goals: list[
 
 def build_tiers(store: NpyDir, dense: dict[str, np.ndarray], tiers: list[Tier], progress=None) -> list[str]:
     """Build those of `tiers` the policy wants that are not ready yet, from `dense` (canonical name -> the cold
-    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built."""
+    tier's buffer, for each tier's needs_dense). The caller holds the lock. Returns those built (say_built tells
+    the user)."""
     built = []
     for tier in tiers:
         if not tier.wanted(store) or tier.ready(store)[0] is not None:

@@ -10,6 +10,9 @@ int4 tier against 183 from the bf16 model, and an in-process load of 0.46 s agai
 
 PREFERENCE keeps that data: by MLX device type (`mx.default_device().type`, where the model runs), the tier names
 fastest first. A tier not named there goes last, in registry order; a new tier adds its name to each row.
+
+CACHES says whether, by default, a first load writes the tier it would take at all: a cache is only worth its
+disk where loading it is measurably faster than the cold path reading the store itself (docs/design.md §4.4).
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ WHY: dict[str, str] = {
     "cpu": "quantized matmul is slow on mlx[cpu] (measured ~6x slower generation, ~10x slower first token than "
            "bf16), so the dense tiers come first",
 }
+
+# On mlx[cpu] the cold path (Rust dequantization of an INT4 store at memory speed) loaded the 1.5B-shaped model
+# about as fast as the dense mlx tier warm (whole process 3.39 s against 3.30 s) and faster evicted (3.52 s against
+# 4.95 s), while the tier took 2.6x the store's disk. On a GPU the quantized tier loads as QuantizedLinear.
+CACHES: dict[str, bool] = {"gpu": True, "cpu": False}
+
+
+def caches_by_default(device: str | None = None) -> bool:
+    """Whether a first load under the default policy writes a cache tier on `device` (default: this one)."""
+    return CACHES.get(device or device_kind(), True)
 
 
 def device_kind() -> str:

@@ -27,7 +27,7 @@ from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from ..quant import mlx_words
 from .base import Loaded, Tier, mlx_names
-from .mlx import METADATA, load_safetensors
+from .mlx import ALIGN, METADATA, load_safetensors
 
 WEIGHTS = "model.safetensors"
 
@@ -97,7 +97,7 @@ class QuantizedTier(Tier):
         final = store.path / self.directory
         tmp = make_temp_dir(final)
         try:
-            files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors, METADATA)}
+            files = {f"{self.directory}/{WEIGHTS}": write_safetensors(tmp / WEIGHTS, tensors, METADATA, align=ALIGN)}
             files[f"{self.directory}/{CONFIG}"] = write_json(tmp / CONFIG, config)
             for rel in store.manifest.side_files:
                 if rel != CONFIG:

@@ -24,7 +24,7 @@ from ..io.lock import DirectoryLock
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from .base import Loaded, Tier, mlx_names
-from .mlx import METADATA, load_safetensors
+from .mlx import ALIGN, METADATA, load_safetensors
 
 DIRECTORY = "shards"
 WEIGHTS = "weights.safetensors"
@@ -96,7 +96,7 @@ class RankTier(Tier):
             tmp = make_temp_dir(final)
             names = mlx_names(store)
             tensors = [Tensor(names[n], store.runtime_dtype, a.shape, a) for n, a in dense.items()]
-            record = write_safetensors(tmp / WEIGHTS, tensors, METADATA, atomic=False)
+            record = write_safetensors(tmp / WEIGHTS, tensors, METADATA, atomic=False, align=ALIGN)
             write_sentinel(tmp / ".ready", manifest_fingerprint=store.fingerprint, files={WEIGHTS: record},
                            tier=self.name, layout=self.key, plan=self.plan)
             publish_dir(tmp, final)

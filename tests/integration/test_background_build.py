@@ -23,7 +23,7 @@ WRITE = "before-rename:squish_weights.safetensors"  # the mlx tier's file, writt
 
 @pytest.fixture
 def store(tiny_llama, tmp_path):
-    return squishlike.compress(tiny_llama, tmp_path / "int8")
+    return squishlike.compress(tiny_llama, tmp_path / "int8", tiers=("mlx",))  # named: built on CPU too
 
 
 @pytest.fixture

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from mlx_lm import generate
-from support.tiny_models import assert_same_weights
+from support.tiny_models import assert_same_weights, disk_bytes
 
 import squishlike
 from squishlike.npydir import NpyDir
+from squishlike.tiers import order
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -48,3 +49,14 @@ def test_store_is_smaller_and_records_the_source(stores, smollm_gguf):
     int8_bytes = sum(r.size for r in NpyDir(stores["int8"]).part_files().values())
     assert int4_bytes < int8_bytes
     assert "output.weight" not in store.entries  # tied embeddings
+
+
+def test_a_first_cpu_load_keeps_the_disk_within_the_budget(smollm_gguf, tmp_path, monkeypatch):
+    """The default INT4 store on CPU: the cold path is as fast as any cache, so store plus caches stay <= 1.1x."""
+    monkeypatch.setattr(order, "device_kind", lambda: "cpu")
+    out = squishlike.compress(smollm_gguf, tmp_path / "int4", format="int4")
+    store_bytes = disk_bytes(out)
+    model, tokenizer = squishlike.load(out)
+    assert "Paris" in answer(model, tokenizer)
+    assert disk_bytes(out) <= 1.1 * store_bytes
+

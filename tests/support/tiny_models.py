@@ -162,6 +162,11 @@ QWEN2_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision
 QWEN2_ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 
+def disk_bytes(directory: Path) -> int:
+    """The bytes of every file under `directory`: a store plus whatever caches its loads wrote."""
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
 def _synthetic_merges(alphabet: list[str], vocab_size: int, seed: int) -> tuple[list[str], list[tuple]]:
     """A BPE vocabulary of `vocab_size` tokens grown from `alphabet` by random pairwise merges (short tokens
     merged more often), with the merges that produce it: a real, consistent BPE model in a second."""
