@@ -1,5 +1,7 @@
-"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own 8-bit and 4-bit, against the
-unquantized reference, on the shipped evaluation prose.
+"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (8-bit and 4-bit,
+float32 and bfloat16 scales, and its calibrated GPTQ), against the unquantized reference, on the shipped evaluation
+prose; every row with its bytes at rest, and with --pareto the bytes-against-KL data (CSV, and a chart when
+matplotlib is installed).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/quality.py --workdir /tmp/squishlike-quality --markdown benchmarks/QUALITY.md
@@ -26,32 +28,37 @@ import sys
 import time
 from pathlib import Path
 
+EXACT = {"quantize_embeddings": False}  # the embedding and the head kept exact (the default before issue 25)
+PLAIN = {"awq": False, "gptq": False, "clip_search": False}  # round to nearest, no calibration
 ROWS: list[tuple[str, str, dict]] = [
     # (label, kind, options) -- kind: reference | npydir (compress options) | mlx (export -q options) |
-    # mlx_lm (mlx_lm.convert -q options, from the GGUF exported to HF)
+    # mlx_lm (mlx_lm.convert -q options, from the GGUF exported to HF) | mlx_lm_gptq (mlx_lm.quant.gptq)
     ("reference (GGUF Q4_1 as read, float32)", "reference", {}),
-    ("INT8 g32", "npydir", {"format": "int8", "group_size": 32}),
-    ("INT8 g64", "npydir", {"format": "int8", "group_size": 64}),
-    ("INT8 g128", "npydir", {"format": "int8", "group_size": 128}),
-    ("INT8 g64, float16 runtime", "npydir", {"format": "int8", "group_size": 64, "dtype": "float16"}),
-    ("INT8 g64, float32 runtime", "npydir", {"format": "int8", "group_size": 64, "dtype": "float32"}),
-    ("mlx_lm 8-bit g64 (convert -q)", "mlx", {"q_bits": 8, "q_group_size": 64}),
-    ("mlx_lm 8-bit g64, bfloat16 (convert -q --dtype bfloat16)", "mlx_lm",
-     {"q_bits": 8, "q_group_size": 64, "dtype": "bfloat16"}),
-    ("INT8 per-row", "npydir", {"format": "int8", "group_size": "row"}),
-    ("INT8 per-row AWQ", "npydir", {"format": "int8", "group_size": "row", "awq": True}),
-    ("INT8 per-row, mixed 20 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.2}),
-    ("INT8 per-row, mixed 50 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.5}),
-    ("INT8 per-row, mixed 85 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.85}),
-    ("INT4 g64 RTN", "npydir", {"format": "int4", "group_size": 64}),
-    ("INT4 g64 clip", "npydir", {"format": "int4", "group_size": 64, "clip_search": True}),
-    ("INT4 g64 AWQ", "npydir", {"format": "int4", "group_size": 64, "awq": True}),
-    ("INT4 g64 AWQ+clip", "npydir", {"format": "int4", "group_size": 64, "awq": True, "clip_search": True}),
-    ("INT4 g64 AWQ+clip, mixed 10 %", "npydir",
-     {"format": "int4", "group_size": 64, "awq": True, "clip_search": True, "mixed_precision": 0.1}),
-    ("INT4 g64 AWQ+clip, embeddings too", "npydir",
-     {"format": "int4", "group_size": 64, "awq": True, "clip_search": True, "quantize_embeddings": True}),
-    ("mlx_lm 4-bit g64 (convert -q)", "mlx", {"q_bits": 4, "q_group_size": 64}),
+    ("mlx_lm 8-bit g64 (convert -q, float32 scales)", "mlx", {"q_bits": 8, "q_group_size": 64}),
+    ("mlx_lm 8-bit g64 (convert -q --dtype bfloat16)", "mlx_lm", {"q_bits": 8, "q_group_size": 64, "dtype": "bfloat16"}),
+    ("INT8 default (g64, embeddings INT8)", "npydir", {"format": "int8"}),
+    ("INT8 g32", "npydir", {"format": "int8", "group_size": 32, **EXACT}),
+    ("INT8 g64, embeddings exact", "npydir", {"format": "int8", "group_size": 64, **EXACT}),
+    ("INT8 g128", "npydir", {"format": "int8", "group_size": 128, **EXACT}),
+    ("INT8 g64, float16 runtime", "npydir", {"format": "int8", "group_size": 64, "dtype": "float16", **EXACT}),
+    ("INT8 g64, float32 runtime", "npydir", {"format": "int8", "group_size": 64, "dtype": "float32", **EXACT}),
+    ("INT8 per-row", "npydir", {"format": "int8", "group_size": "row", **EXACT}),
+    ("INT8 per-row AWQ", "npydir", {"format": "int8", "group_size": "row", "awq": True, **EXACT}),
+    ("INT8 per-row, mixed 20 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.2, **EXACT}),
+    ("INT8 per-row, mixed 50 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.5, **EXACT}),
+    ("INT8 per-row, mixed 85 %", "npydir", {"format": "int8", "group_size": "row", "mixed_precision": 0.85, **EXACT}),
+    ("mlx_lm 4-bit g64 (convert -q, float32 scales)", "mlx", {"q_bits": 4, "q_group_size": 64}),
+    ("mlx_lm 4-bit g64 (convert -q --dtype bfloat16)", "mlx_lm", {"q_bits": 4, "q_group_size": 64, "dtype": "bfloat16"}),
+    ("mlx_lm 4-bit g64 GPTQ (mlx_lm.quant.gptq)", "mlx_lm_gptq", {"bits": 4, "group_size": 64}),
+    ("INT4 default (g64, AWQ+GPTQ+clip, embeddings INT4)", "npydir", {"format": "int4"}),
+    ("INT4 g64 RTN", "npydir", {"format": "int4", **PLAIN}),
+    ("INT4 g64 clip", "npydir", {"format": "int4", **PLAIN, "clip_search": True}),
+    ("INT4 g64 AWQ+clip", "npydir", {"format": "int4", "gptq": False}),
+    ("INT4 g64 GPTQ+clip", "npydir", {"format": "int4", "awq": False}),
+    ("INT4 g64 RTN, embeddings exact", "npydir", {"format": "int4", **PLAIN, **EXACT}),
+    ("INT4 g64 AWQ+clip, embeddings exact", "npydir", {"format": "int4", "gptq": False, **EXACT}),
+    ("INT4 g64 AWQ+clip, embeddings exact, mixed 10 %", "npydir",
+     {"format": "int4", "gptq": False, "mixed_precision": 0.1, **EXACT}),
     ("INT3 g64 RTN", "npydir", {"format": "int3", "group_size": 64}),
     ("INT3 g32 AWQ+clip", "npydir", {"format": "int3", "group_size": 32, "awq": True, "clip_search": True}),
 ]
@@ -68,6 +75,11 @@ def weights_bytes(path: Path, kind: str) -> int:
     if kind == "npydir":
         return sum(p.stat().st_size for p in (path / "tensors").iterdir())
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of every file of the model (an npy-dir is read cold, so it holds no cache)."""
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tuple[Path, float | None]:
@@ -90,8 +102,30 @@ def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tu
         hf = workdir / "hf-export"
         if not hf.exists():
             export(gguf, "hf", hf)
-        mlx_lm.convert(str(hf), str(out), quantize=True, **options)
+        if kind == "mlx_lm":
+            mlx_lm.convert(str(hf), str(out), quantize=True, **options)
+        else:
+            mlx_lm_gptq(hf, out, **options)
     return out, time.perf_counter() - started
+
+
+def mlx_lm_gptq(hf: Path, out: Path, bits: int, group_size: int) -> None:
+    """mlx_lm's own GPTQ (mlx_lm.quant.gptq), every other quantizable weight (embedding) at the same bits and group
+    size so its bytes are its convert -q's, calibrated on squishlike's calibration text in 512-token sequences
+    (its command line downloads its own calibration set, which this machine cannot). Float32 passes, then
+    everything in bfloat16."""
+    import mlx.core as mx
+    from mlx_lm.quant.gptq import gptq_quantize
+    from mlx_lm.utils import load, save
+
+    from squishlike.evaluation import load_text
+
+    model, tokenizer, config = load(str(hf), lazy=True, return_config=True)
+    tokens = tokenizer.encode(load_text("calibration"))
+    data = mx.array(tokens[: len(tokens) // 512 * 512]).reshape(-1, 512)
+    model, config["quantization"] = gptq_quantize(model, data, bits, group_size, bits, group_size)
+    model.set_dtype(mx.bfloat16)  # scales, biases and norms in bfloat16, as convert -q --dtype bfloat16 keeps them
+    save(str(out), str(hf), model, tokenizer, config)
 
 
 def evaluate_rows(args) -> list[dict]:
@@ -134,6 +168,7 @@ def evaluate_rows(args) -> list[dict]:
         row["greedy_agreement"] = ev.sequence_agreement(greedy, ref_greedy)
         row["greedy_exact"] = sum(a == b for a, b in zip(greedy, ref_greedy))
         row["weights_bytes"] = weights_bytes(path, kind)
+        row["dir_bytes"] = dir_bytes(path)
         row["compress_s"] = compress_s
         row["eval_s"] = time.perf_counter() - t0
         if kind == "npydir":
@@ -158,15 +193,18 @@ def markdown(results: list[dict], args) -> str:
     from squishlike.evaluation import load_prompts
 
     ref = next((r for r in results if r["kind"] == "reference"), None)
-    mlx = next((r for r in results if r["kind"] == "mlx" and r["options"].get("q_bits") == 4), None)
+    # The baseline of the ratio columns: mlx_lm's 4-bit in bfloat16 (what mlx-community models hold) if measured
+    mlx = next((r for kind in ("mlx_lm", "mlx") for r in results
+                if r["kind"] == kind and r["options"].get("q_bits") == 4), None)
     lines = [
         f"Model: SmolLM2-135M-Instruct (embedded GGUF); reference = the GGUF as the provider reads it (float32). "
         f"Text: first {results[0]['positions'] + results[0]['windows']} tokens of data/eval_prose.txt "
         f"({results[0]['positions']} scored positions); greedy: {len(load_prompts())} prompts x {args.gen_tokens} "
         f"tokens. All in float32.",
         "",
-        "| model | ppl | Δ ppl | Δ vs mlx_lm 4-bit | top-1 | KL (nats) | greedy | weights at rest | INT3 gate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | ppl | Δ ppl | Δ vs mlx_lm 4-bit | top-1 | KL (nats) | KL vs mlx_lm 4-bit | greedy | weights at rest "
+        "| every file | compress | INT3 gate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = ref["perplexity"] if ref else results[0]["reference_perplexity"]
     mlx_inc = mlx["perplexity"] - base if mlx else None
@@ -181,11 +219,39 @@ def markdown(results: list[dict], args) -> str:
                 gate = f"{verdict} ({g['increase']:+.1%} on calibration, bound {g['bound']:+.0%})"
             else:
                 gate = g.get("reason", "")
+        kl_rel = f"{r['kl_mean'] / mlx['kl_mean']:.2f}x" if mlx and r["kind"] != "reference" else ""
+        took = f"{r['compress_s']:.0f} s" if r.get("compress_s") else ""
         lines.append(
             f"| {r['label']} | {r['perplexity']:.3f} | {inc / base:+.2%} | {rel} | {r['top1_agreement']:.2%} | "
-            f"{r['kl_mean']:.4f} | {r['greedy_agreement']:.1%} | {r['weights_bytes'] / 1e6:.1f} MB | {gate} |"
+            f"{r['kl_mean']:.4f} | {kl_rel} | {r['greedy_agreement']:.1%} | {r['weights_bytes'] / 1e6:.2f} MB | "
+            f"{r['dir_bytes'] / 1e6:.2f} MB | {took} | {gate} |"
         )
     return "\n".join(lines)
+
+
+def pareto(results: list[dict], csv_path: Path) -> Path:
+    """Bytes at rest against mean KL, every row: a CSV beside a PNG chart when matplotlib (the [bench] extra) is
+    installed. Returns what was written last."""
+    rows = [r for r in results if r["kind"] != "reference"]
+    csv_path.write_text("label,kind,weights_bytes,dir_bytes,kl_mean\n" + "".join(
+        f"\"{r['label']}\",{r['kind']},{r['weights_bytes']},{r['dir_bytes']},{r['kl_mean']:.6f}\n" for r in rows))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: the Pareto chart's data is {csv_path}", file=sys.stderr)
+        return csv_path
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        ax.scatter(r["weights_bytes"] / 1e6, r["kl_mean"], marker="s" if r["kind"] != "npydir" else "o")
+        ax.annotate(r["label"], (r["weights_bytes"] / 1e6, r["kl_mean"]), fontsize=6)
+    ax.set(xlabel="weights at rest (MB)", ylabel="mean KL to the reference (nats)", yscale="log",
+           title="bytes against KL (squishlike: circles; mlx_lm: squares)")
+    png = csv_path.with_suffix(".png")
+    fig.savefig(png, dpi=150, bbox_inches="tight")
+    return png
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="only rows whose slug contains one of these")
     parser.add_argument("--json", type=Path, help="write the full results here")
     parser.add_argument("--markdown", type=Path, help="write the table here (else stdout only)")
+    parser.add_argument("--pareto", type=Path, help="write bytes against KL here (CSV; and a PNG with matplotlib)")
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
     args = parser.parse_args(argv)
 
@@ -219,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"command": command, "rows": results}, indent=1))
     if args.markdown:
         args.markdown.write_text(table + "\n")
+    if args.pareto:
+        pareto(results, args.pareto)
     return 0
 
 

@@ -19,6 +19,12 @@ ROW = "row"  # --group-size for INT8's per-row symmetric form (scheme "int8"); a
 # The group sizes compress offers. INT3 offers only the sizes its accuracy gate is specified for, though its
 # kernels (like mx.quantize) also take 128.
 GROUP_SIZES = {"int8": (*SCHEMES["int8g"].group_sizes, ROW), "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
+# Formats whose embedding and output head are quantized by default, as mlx_lm.convert -q does at those bits; an
+# INT3 store keeps them exact (3-bit ones fail its accuracy gate).
+EMBEDDINGS_QUANTIZED_BY_DEFAULT = ("int8", "int4")
+# Formats compressed by default with AWQ, GPTQ and clip search (each --no-X turns one off): at the bytes of
+# mlx_lm.convert -q --q-bits 4, 0.42x its mean KL on SmolLM2 (benchmarks/README.md). INT8 needs none of them.
+CALIBRATED_BY_DEFAULT = ("int4",)
 ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
 QUANTIZED_TIERS = ("int8", "int4", "int3")  # each repacks the codes of a store of its own format
 
@@ -28,14 +34,15 @@ class CompressOptions:
     format: str = "int8"  # one of FORMATS; with group_size it names the stored scheme (`scheme`)
     group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
-    quantize_embeddings: bool = False
-    clip_search: bool = False
+    quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT formats
+    clip_search: bool | None = None  # None: on for CALIBRATED_BY_DEFAULT formats (as awq and gptq)
     dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
     tiers: tuple[str, ...] | None = None  # cache policy; default: mlx + the store's quantized tier
     force: bool = False
     extra_manifest: dict = field(default_factory=dict)
     # Calibration (squishlike/calibration/; each runs the source model in float32 on data/calibration.txt):
-    awq: bool = False  # activation-aware per-input-channel scaling, folded into norms / v / up
+    awq: bool | None = None  # activation-aware per-input-channel scaling, folded into norms / v / up
+    gptq: bool | None = None  # error-compensating rounding of the linears and the head (group-wise schemes)
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
     int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
@@ -45,6 +52,11 @@ class CompressOptions:
 
     def __post_init__(self) -> None:
         self.passthrough = tuple(self.passthrough)
+        if self.quantize_embeddings is None:
+            self.quantize_embeddings = self.format in EMBEDDINGS_QUANTIZED_BY_DEFAULT
+        for method in ("awq", "gptq", "clip_search"):
+            if getattr(self, method) is None:
+                setattr(self, method, self.format in CALIBRATED_BY_DEFAULT)
 
     @property
     def scheme(self) -> str:
@@ -114,7 +126,7 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
     if kind is None:
         return "passthrough", "not a weight nn.quantize quantizes (norm, bias, convolution, ...)"
     if kind == "embedding" and not opts.quantize_embeddings:
-        return "passthrough", "embedding / lm_head (pass --quantize-embeddings to quantize)"
+        return "passthrough", "embedding / lm_head (kept exact by --no-quantize-embeddings)"
     if kind == "int8" and opts.format != "int8":
         return "int8", "the model's quant_predicate keeps it at 8 bits"
     cols = shape[-1]

@@ -77,12 +77,13 @@ def compress(
     format: str = "int8",
     group_size: int | str = 64,
     passthrough: tuple[str, ...] = (),
-    quantize_embeddings: bool = False,
-    clip_search: bool = False,
+    quantize_embeddings: bool | None = None,
+    clip_search: bool | None = None,
     dtype: str | None = None,
     tiers: tuple[str, ...] | None = None,
     force: bool = False,
-    awq: bool = False,
+    awq: bool | None = None,
+    gptq: bool | None = None,
     mixed_precision: float = 0.0,
     int3_gate: bool = True,
     int3_max_ppl_increase: float = 0.08,
@@ -97,23 +98,29 @@ def compress(
     - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
       the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
-    - quantize_embeddings: quantize the token embedding and lm_head too.
-    - clip_search: group-wise per-group clip search (lower error, slower).
+    - quantize_embeddings: quantize the token embedding and lm_head too, with the linears' scheme (as
+      mlx_lm.convert -q does); False keeps them exact (about 2x the bytes of an INT4 store of a small model).
+      None: on for int8 and int4, off for int3.
+    - clip_search: group-wise per-group clip search (lower error, slower). None: on for int4.
     - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
       quantized source.
     - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3" (a quantized tier
       only in a store of that format); None: mlx plus the store's quantized tier.
     - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
 
-    Calibration options run the source model in float32 on the shipped calibration text:
+    Calibration options run the source model in float32 on the shipped calibration text; an INT4 store is
+    calibrated by default (awq, gptq and clip_search None: on for int4, off otherwise):
 
     - awq: activation-aware per-input-channel scaling, folded into norms; the stored form stays plain.
+    - gptq: round each linear (and the output head) column by column, spreading each rounding error onto the
+      columns not yet rounded so that the layer's output on the calibration inputs changes least (group-wise
+      schemes); the stored form stays plain.
     - mixed_precision: keep the most sensitive tensors at more bits (INT8 in an INT4/INT3 store, exact in an INT8
       store) within this fraction of extra bytes over the quantized tensors, in [0, 1].
     - int3_gate: INT3 only: measure the accuracy gate; a store that fails it is not written. False skips the gate
       (the store is written, without its 3-bit tier).
     - int3_max_ppl_increase: the gate's bound on the calibration-perplexity increase (0.08: +8 %).
-    - calibration_samples: input rows per linear kept for the AWQ error search.
+    - calibration_samples: input rows per linear kept for the AWQ error search and the GPTQ Hessians.
     - calibration_max_tokens: use only the first N calibration tokens (None: all).
 
     Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
@@ -131,6 +138,7 @@ def compress(
         tiers=tiers,
         force=force,
         awq=awq,
+        gptq=gptq,
         mixed_precision=mixed_precision,
         int3_gate=int3_gate,
         int3_max_ppl_increase=int3_max_ppl_increase,
@@ -181,7 +189,7 @@ def _gate_int3(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOpt
 def _calibration_plan(provider: WeightProvider, opts: CompressOptions):
     """The calibration plan when the options ask for one (AWQ, mixed precision, the INT3 gate), else None;
     calibration runs the source model, so it is imported only then."""
-    if not (opts.awq or opts.mixed_precision > 0 or (opts.format == "int3" and opts.int3_gate)):
+    if not (opts.awq or opts.gptq or opts.mixed_precision > 0 or (opts.format == "int3" and opts.int3_gate)):
         return None
     from .calibration import prepare
 
@@ -264,10 +272,10 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
         try:
             for name in provider.names():
                 info = infos.get(provider.source_name(name))
-                entry, array, src_dtype, parts = _quantize_tensor(provider, name, info, opts, runtime, plan,
-                                                                  kinds.get(name))
+                entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime, plan,
+                                                                           kinds.get(name))
                 nbytes = info.nbytes if info else array.nbytes
-                pipeline.submit(name, nbytes, _finish_tensor, tmp, entry, array, src_dtype, parts, runtime)
+                pipeline.submit(name, nbytes, _finish_tensor, tmp, entry, array, src_dtype, parts, runtime, checked)
             pipeline.drain()
         finally:
             pipeline.close()
@@ -307,9 +315,9 @@ class _Pipeline:
 
 def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, runtime: str, plan,
                      kind: str | None):
-    """(manifest entry, values, their dtype, quantized parts or None) of one tensor, by the scheme rules (`kind`:
-    its weight_kinds entry). A source triple the scheme can hold as it is is repacked (`repack`), never rounded a
-    second time."""
+    """(manifest entry, values, their dtype, quantized parts or None, whether the outlier check is done) of one
+    tensor, by the scheme rules (`kind`: its weight_kinds entry). A source triple the scheme can hold as it is is
+    repacked (`repack`), never rounded a second time."""
     triple = provider.get_quantized(name)
     array, src_dtype = to_numpy(provider.get(name) if triple is None else triple.dequantize())
     array = np.ascontiguousarray(array)
@@ -322,27 +330,37 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     dtype = info.dtype if info else src_dtype
     entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
     if not entry.kind.quantized:
-        return entry, array, src_dtype, None
+        return entry, array, src_dtype, None, False
     parts = repack(triple, scheme, runtime)
     if parts is not None:
         entry.group_size, entry.scale_dtype = triple.group_size, runtime
         entry.reason += f"; the source's own {triple.bits}-bit values, repacked without rounding"
-        return entry, array, src_dtype, parts
+        return entry, array, src_dtype, parts, False
     if entry.kind.grouped:  # per-row INT8 scales are always float32, one per row
         entry.group_size, entry.scale_dtype = opts.groups, runtime
     try:
-        return entry, array, src_dtype, _quantize(array, src_dtype, scheme, opts, runtime)
+        parts = _quantize(array, src_dtype, scheme, opts, runtime)
     except ValueError as e:
         raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
+    if plan is None or error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]:
+        return entry, array, src_dtype, parts, False
+    # GPTQ trades error in the weights for error in the layer's output: whether a tensor is an outlier is decided
+    # on its plain rounding, just above, not on the compensated weights.
+    compensated = plan.quantize(name, array, src_dtype, scheme)
+    if compensated is None:
+        return entry, array, src_dtype, parts, False
+    entry.reason += "; GPTQ (rounding errors compensated on the calibration inputs)"
+    return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
 
 
 def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: str, parts: dict | None,
-                   runtime: str) -> TensorEntry:
-    """Error statistics, the outlier check, and the tensor's files: the manifest entry, complete."""
+                   runtime: str, checked: bool) -> TensorEntry:
+    """Error statistics, the outlier check (unless `checked` already), and the tensor's files: the manifest entry,
+    complete."""
     scheme = entry.scheme
     if entry.kind.quantized:
         entry.error = error_stats(array, src_dtype, parts, entry)
-        if entry.error.rel_error > ERROR_LIMITS[scheme]:
+        if not checked and entry.error.rel_error > ERROR_LIMITS[scheme]:
             entry.scheme = "passthrough"
             entry.reason = f"outliers: relative error {entry.error.rel_error:.3f} > {ERROR_LIMITS[scheme]} for {scheme}"
             entry.group_size = entry.scale_dtype = None

@@ -71,7 +71,7 @@ def quantizable_weights(model: nn.Module) -> dict[str, str]:
     SwitchLinear, ...) and the model's own `quant_predicate`, if it has one, does not refuse it (mlx_lm.convert
     asks the same). "int8": the predicate asks for 8 bits or more (MoE routers). "embedding": the input
     embeddings (nn.Embedding) and the output head (`lm_head`, or its family's name for it), the tensors `compress`
-    quantizes only when asked to (--quantize-embeddings). Group-size fit is the caller's.
+    keeps exact when asked to (--no-quantize-embeddings). Group-size fit is the caller's.
     """
     predicate = getattr(model, "quant_predicate", None)
     vocab_sizes = {m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, nn.Embedding)}

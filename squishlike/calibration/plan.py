@@ -15,6 +15,7 @@ from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, we
 from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
+from .gptq import DAMPING, gptq, head_group
 from .mixed import FISHER_WINDOW, fisher_diagonal, plan_mixed
 from .quantizer import Quantizer
 from .stats import Calibration, calibration_windows, collect, log, source_model
@@ -29,6 +30,8 @@ class Plan:
     reference_ppl: float | None = None
     record: dict[str, Any] = field(default_factory=dict)  # manifest keys
     runtime: str = "float32"  # the store's runtime dtype
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # linear -> its calibration inputs, for GPTQ
+    quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
 
     def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
         """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
@@ -38,6 +41,17 @@ class Plan:
         if self.promote.get(name) == "passthrough" and src_dtype != self.runtime:
             array, src_dtype = from_float32(to_float32(array, src_dtype), self.runtime), self.runtime
         return array, src_dtype
+
+    def quantize(self, name: str, array: np.ndarray, src_dtype: str, scheme: str) -> tuple[np.ndarray, ...] | None:
+        """The parts of `name` (as `apply` returned it) quantized by GPTQ on its calibration inputs, when GPTQ was
+        asked for and the tensor keeps the store's scheme; else None (compress rounds it to nearest)."""
+        qz = self.quantizers.get(name)
+        if qz is None or name not in self.inputs or scheme != qz.scheme:
+            return None
+        x = self.inputs[name]
+        if name in self.transform.col:  # AWQ multiplied the weight's columns by s: its inputs are divided by s
+            x = x / self.transform.col[name][None, :]
+        return gptq(to_float32(array, src_dtype).reshape(array.shape[0], -1), x, qz)
 
     def rewrites(self, name: str) -> bool:
         """Whether `apply` changes the values of `name` (AWQ scaling): a source's own quantized values then no
@@ -88,9 +102,10 @@ def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:
     plan = Plan(runtime=opts.dtype or runtime_dtype(provider))
     model, tokenizer = source_model(provider)
     source = _SourceWeights(provider, model, opts, plan.runtime)
-    groups, why_not = scale_groups(model, provider) if opts.awq else ([], None)
+    groups, why_not = scale_groups(model, provider) if opts.awq or opts.gptq else ([], None)
+    head = head_group(provider) if opts.gptq else None
     log(f"running the source model in float32 on the calibration text ({provider.reader.path})")
-    calib = collect(model, tokenizer, groups, samples=opts.calibration_samples, max_tokens=opts.calibration_max_tokens)
+    calib = collect(model, tokenizer, [*groups, *([head] if head else [])], samples=opts.calibration_samples, max_tokens=opts.calibration_max_tokens)
     plan.reference_ppl = calib.reference_ppl
     plan.record["calibration"] = {
         "text": calib.text,
@@ -102,10 +117,14 @@ def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:
     log(f"calibration pass: {calib.tokens} tokens, perplexity {calib.reference_ppl:.4f}, {calib.seconds:.1f} s")
     if opts.awq:
         plan.transform, plan.record["awq"] = _awq(groups, why_not, calib, source)
+    if opts.gptq:
+        plan.inputs, plan.quantizers, plan.record["gptq"] = _gptq(groups, why_not, head, calib, source)
     del calib
     if opts.mixed_precision > 0:
         plan.promote, plan.record["mixed_precision"] = _mixed(model, tokenizer, source, plan.transform)
-    plan.record["calibration"]["seconds"] = round(time.perf_counter() - started, 1)
+    # Logged, not recorded: the manifest, like the tensors, is the same for the same source and options (an INT4
+    # store is calibrated by default, and compress is reproducible).
+    log(f"calibration: {time.perf_counter() - started:.1f} s")
     return plan
 
 
@@ -125,6 +144,28 @@ def _awq(groups: list[ScaleGroup], why_not: str | None, calib: Calibration,
         "output error; folded into RMSNorm weights, v rows (o) and up rows (down)",
         "grid": [*AWQ_GRID, "then best +- 0.05"],
         "groups": report,
+    }
+
+
+def _gptq(groups: list[ScaleGroup], why_not: str | None, head: ScaleGroup | None, calib: Calibration,
+          source: _SourceWeights) -> tuple[dict[str, np.ndarray], dict[str, Quantizer], dict[str, Any]]:
+    """Each linear's calibration inputs and quantizer (the decoder's, and the output head's), for `Plan.quantize`,
+    and the manifest record."""
+    if why_not:
+        warnings.warn(f"GPTQ of the decoder linears skipped: {why_not}")
+        groups = []
+    inputs, quantizers = {}, {}
+    for g in [*groups, *([head] if head else [])]:
+        for m in g.members:
+            if (qz := source.quantizer_for(m)) is not None:
+                inputs[m], quantizers[m] = calib.samples[g.name], qz
+    return inputs, quantizers, {
+        "applied": bool(inputs),
+        "decoder_skipped": why_not,
+        "method": f"GPTQ: columns rounded in order, each error spread by the inverse Hessian of the layer's "
+        f"calibration inputs (damping {DAMPING} of its mean diagonal); grids are the store's own",
+        "tensors": len(inputs),
+        "samples": int(next(iter(calib.samples.values())).shape[0]) if calib.samples else 0,
     }
 
 

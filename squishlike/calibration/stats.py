@@ -59,6 +59,7 @@ class ScaleGroup:
     members: tuple[str, ...]  # canonical weights whose columns are multiplied by s
     folds: tuple[str, ...]  # canonical tensors divided by s: a norm weight, or rows (+ bias) of the producer
     tie: tuple[int, int, int] | None = None  # (n_heads, n_kv_heads, head_dim): o's scale shared per kv head
+    records_output: bool = False  # record `module`'s output, not its input (the final norm, for a tied head)
 
 
 class _Sink:
@@ -81,16 +82,21 @@ class _Sink:
 
 
 class _Recorder(nn.Module):
-    """Wraps a linear; records its input into a sink, then calls it. Adds no parameters of its own."""
+    """Wraps a module; records its input (or its output) into a sink. Adds no parameters of its own."""
 
-    def __init__(self, inner: nn.Module, sink: _Sink):
+    def __init__(self, inner: nn.Module, sink: _Sink, output: bool):
         super().__init__()
         self.inner = inner
         self._squish_sink = sink
+        self._squish_output = output
 
     def __call__(self, x, *args, **kwargs):
-        self._squish_sink.add(x)
-        return self.inner(x, *args, **kwargs)
+        if not self._squish_output:
+            self._squish_sink.add(x)
+        y = self.inner(x, *args, **kwargs)
+        if self._squish_output:
+            self._squish_sink.add(y)
+        return y
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
@@ -131,7 +137,8 @@ def collect(
     originals = {}
     try:
         for g in groups:
-            originals[g.module] = _replace(model, g.module, _Recorder(_module(model, g.module), sinks[g.name]))
+            originals[g.module] = _replace(model, g.module, _Recorder(_module(model, g.module), sinks[g.name],
+                                                                       g.records_output))
         nll, count, offset = 0.0, 0, 0
         for window in windows:
             n_inputs = len(window.tokens) - 1

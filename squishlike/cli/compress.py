@@ -1,6 +1,6 @@
 """Compress a model (HF safetensors dir, MLX dir, GGUF file, Ollama model, or a Hugging Face repo already in the
-local cache) into an npy-dir that `squishlike.load` opens. Linear weights are quantized; embeddings, norms, biases
-and outliers stay exact."""
+local cache) into an npy-dir that `squishlike.load` opens. Linear weights, embeddings and the output head are
+quantized (INT4: calibrated with AWQ, GPTQ and clip search); norms, biases and outliers stay exact."""
 
 from __future__ import annotations
 
@@ -11,13 +11,22 @@ HELP = "store a model compressed at rest (an npy-dir)"
 
 
 class _Calibrates(argparse.Action):
-    """Stores an option; one that makes compress run the model in float32 (AWQ, mixed precision, the INT3 gate)
-    also asks main() to restart with OpenBLAS preloaded (`fast_blas`), as eval does."""
+    """Stores an option; one that makes compress run the model in float32 (mixed precision, an INT4 store's
+    default calibration, the INT3 gate) also asks main() to restart with OpenBLAS preloaded (`fast_blas`), as eval
+    does."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        value = True if self.nargs == 0 else values
-        setattr(namespace, self.dest, value)
-        if value not in (False, 0, 0.0, "int8", "int4"):  # True, a fraction > 0, or "int3" (the gate)
+        setattr(namespace, self.dest, values)
+        if values not in (0, 0.0, "int8"):  # a fraction > 0, "int4" (calibrated by default) or "int3" (the gate)
+            namespace.fast_blas = True
+
+
+class _CalibratesSwitch(argparse.BooleanOptionalAction):
+    """--X / --no-X for a calibration method (default: the format's); --X also asks for OpenBLAS (`_Calibrates`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        if getattr(namespace, self.dest):
             namespace.fast_blas = True
 
 
@@ -53,9 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "int8 also takes 'row', the per-row symmetric form")
     parser.add_argument("--passthrough", nargs="+", default=(), metavar="PATTERN",
                         help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
-    parser.add_argument("--quantize-embeddings", action="store_true", help="quantize the embedding and lm_head too")
-    parser.add_argument("--clip-search", action="store_true",
-                        help="group-wise schemes: per-group clip search (lower error, slower)")
+    parser.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                        help="quantize the embedding and lm_head with the linears' scheme, as mlx_lm.convert -q does "
+                        "(default for int8 and int4); --no-quantize-embeddings keeps them exact, at about 2x the "
+                        "bytes of a small INT4 store")
+    parser.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=None,
+                        help="group-wise schemes: per-group clip search (lower error, slower; default: on for int4)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="runtime dtype (default: the source's float dtype; bfloat16 for quantized sources)")
     parser.add_argument("--tiers", type=tier_list, metavar="LIST",
@@ -67,9 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib = parser.add_argument_group(
         "calibration", "these run the source model in float32 on the shipped calibration text"
     )
-    calib.add_argument("--awq", action=_Calibrates, nargs=0, default=False,
+    calib.add_argument("--awq", action=_CalibratesSwitch, default=None,
                        help="activation-aware per-channel scaling (AWQ), folded into the norms; the stored form "
-                       "stays plain INT8/INT4/INT3")
+                       "stays plain INT8/INT4/INT3 (default: on for int4)")
+    calib.add_argument("--gptq", action=_CalibratesSwitch, default=None,
+                       help="error-compensating rounding (GPTQ) of the linears and the output head: each rounding "
+                       "error is spread onto the columns not yet rounded; the stored form stays plain (default: on "
+                       "for int4)")
     calib.add_argument("--mixed-precision", type=float, default=0.0, action=_Calibrates, metavar="FRACTION",
                        help="keep the most sensitive tensors (measured) at more bits: at INT8 in an INT4/INT3 "
                        "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "

@@ -161,12 +161,14 @@ def test_load_options_match_mlx_lm(tiny_llama, tmp_path):
 
 
 def test_passthrough_rules_recorded(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", passthrough=("layers.0.*",))
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", passthrough=("layers.0.*",),
+                              quantize_embeddings=False)
     entries = NpyDir(out).entries
     assert entries["layers.0.attention.q.weight"].scheme == "passthrough"
     assert entries["layers.0.attention.q.weight"].reason == "matches --passthrough"
     assert entries["layers.1.attention.q.weight"].scheme == "int4"
     assert entries["token_embedding.weight"].scheme == "passthrough"
+    assert entries["token_embedding.weight"].reason.endswith("--no-quantize-embeddings)")
     assert entries["output_norm.weight"].scheme == "passthrough"
     q = entries["layers.1.ffn.down.weight"]
     assert 0 < q.error.rel_error < 0.25 and q.error.cosine > 0.95
