@@ -116,7 +116,8 @@ class ModelConfig:
 
 def tie_word_embeddings_default(model_type: str) -> bool:
     """Whether mlx_lm ties `model_type`'s output head to its token embedding when config.json does not say: its
-    ModelArgs' default; True where its ModelArgs has no such field (the head is always the embedding, GPT-2's)."""
+    ModelArgs' default; True where its ModelArgs has no such field: GPT-2 has no head of its own, and Gemma 3 uses
+    one only when the weights hold it, so it is never required."""
     from mlx_lm.utils import _get_classes
 
     _, model_args = _get_classes({"model_type": model_type})
