@@ -109,6 +109,7 @@ TINY: dict[str, object] = {
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     # multi-head latent attention
     "kv_lora_rank": 64, "q_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
+    "o_lora_rank": 64, "o_groups": 2, "index_head_dim": 32, "index_n_heads": 4,
     # state space
     "state_size": 16, "conv_kernel": 4, "time_step_rank": 8, "sliding_window": 64,
 }
@@ -132,7 +133,10 @@ NOT_SWEPT: dict[str, str] = {
         "afm7": "needs its kv-reuse layer counts", "afmoe": "needs layer_types", "baichuan_m1": "needs its sliding-"
         "window layers", "cohere2": "needs its sliding-window pattern", "dbrx": "needs ffn_config/attn_config",
         "deepseek_v2": "needs rope_scaling", "exaone_moe": "needs layer_types and is_moe_layer", "gear":
-        "needs layer_types", "gemma3": "nested text_config", "gemma3_text": "needs its sliding-window pattern",
+        "needs layer_types", "gemma3": "nested text_config",
+        "gemma4": "its nested text_config's defaults build a model of many GB", "exaone4": "mlx_lm reads "
+        "sliding_window_pattern as a string, the tokenizer's transformers config as an int",
+        "gemma3_text": "needs its sliding-window pattern",
         "gemma3n": "nested text_config", "gemma4_text": "needs layer_types", "glm_moe_dsa": "needs rope_parameters",
         "gptj": "needs rotary_dim", "hunyuan": "needs rope_scaling", "jamba": "needs its layer periods",
         "kimi_k25": "nested text_config", "kimi_k3": "nested text_config", "kimi_linear": "needs linear_attn_config",
@@ -180,11 +184,16 @@ def _neutral(annotation) -> object:
     return None
 
 
+# Swept types that fail a check today, and how: each runs as a strict xfail, so a fix shows.
+KNOWN_FAILING: dict[str, str] = {
+    "bailing_moe_v3": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
+}
+
 # The types whose generated config (with its OVERRIDES) builds.
 GENERATED = (
     "ministral3",
     "Klear", "apertus", "bailing_hybrid", "bailing_moe", "bailing_moe_linear", "bailing_moe_v3", "deepseek",
-    "deepseek_v32", "deepseek_v41", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "gemma4", "glm", "glm4_moe",
+    "deepseek_v32", "deepseek_v41", "dots1", "ernie4_5", "ernie4_5_moe", "glm", "glm4_moe",
     "glm4_moe_lite", "gpt_bigcode", "granitemoehybrid", "hunyuan_v1_dense", "internlm3", "iquestloopcoder",
     "laguna", "lille-130m", "mimo", "muse_glimmer", "nanbeige", "nanochat", "olmo_hybrid", "phi3small", "phimoe",
     "phixtral", "plamo2", "plamo3", "qwen2", "rwkv7", "solar_open", "step3p5", "talkie", "telechat3", "youtu_llm",
