@@ -128,6 +128,7 @@ NOT_SWEPT: dict[str, str] = {
     "bitnet": _NO_CPU,
     "muse_spark": _NO_CPU,
     "olmo": "mlx_lm's olmo imports the ai2-olmo package, which is not installed",
+    "phi3small": "its model hard-codes vocabulary ids beyond a tiny vocabulary: mlx_lm crashes (segfault)",
     "prism_hadamard_qwen35": "mlx_lm builds it only from a pre-quantized Hadamard pack",
     **{t: f"no tiny config yet: {why}" for t, why in {
         "afm7": "needs its kv-reuse layer counts", "afmoe": "needs layer_types", "baichuan_m1": "needs its sliding-"
@@ -136,7 +137,7 @@ NOT_SWEPT: dict[str, str] = {
         "needs layer_types", "gemma3": "nested text_config",
         "gemma4": "its nested text_config's defaults build a model of many GB", "exaone4": "mlx_lm reads "
         "sliding_window_pattern as a string, the tokenizer's transformers config as an int",
-        "gemma3_text": "needs its sliding-window pattern",
+        "gemma3_text": "needs its sliding-window pattern", "granitemoehybrid": "needs its mamba sizes",
         "gemma3n": "nested text_config", "gemma4_text": "needs layer_types", "glm_moe_dsa": "needs rope_parameters",
         "gptj": "needs rotary_dim", "hunyuan": "needs rope_scaling", "jamba": "needs its layer periods",
         "kimi_k25": "nested text_config", "kimi_k3": "nested text_config", "kimi_linear": "needs linear_attn_config",
@@ -187,6 +188,11 @@ def _neutral(annotation) -> object:
 # Swept types that fail a check today, and how: each runs as a strict xfail, so a fix shows.
 KNOWN_FAILING: dict[str, str] = {
     "bailing_moe_v3": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
+    "muse_glimmer": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
+    "plamo3": "INT4 store's top-1 agreement with the source is 0.74, under the 0.8 floor",
+    # the store's size check sums hand-picked config keys, which miss these families' own sizes
+    "phixtral": "the store refuses lm_head.linear.bias [51200]: its config's sizes 'add up to only 12'",
+    "plamo2": "the store refuses mixer.bcdt_proj.weight [192, 8192]: its config's sizes 'add up to only 1288'",
 }
 
 # The types whose generated config (with its OVERRIDES) builds.
@@ -194,8 +200,8 @@ GENERATED = (
     "ministral3",
     "Klear", "apertus", "bailing_hybrid", "bailing_moe", "bailing_moe_linear", "bailing_moe_v3", "deepseek",
     "deepseek_v32", "deepseek_v41", "dots1", "ernie4_5", "ernie4_5_moe", "glm", "glm4_moe",
-    "glm4_moe_lite", "gpt_bigcode", "granitemoehybrid", "hunyuan_v1_dense", "internlm3", "iquestloopcoder",
-    "laguna", "lille-130m", "mimo", "muse_glimmer", "nanbeige", "nanochat", "olmo_hybrid", "phi3small", "phimoe",
+    "glm4_moe_lite", "gpt_bigcode", "hunyuan_v1_dense", "internlm3", "iquestloopcoder",
+    "laguna", "lille-130m", "mimo", "muse_glimmer", "nanbeige", "nanochat", "olmo_hybrid", "phimoe",
     "phixtral", "plamo2", "plamo3", "qwen2", "rwkv7", "solar_open", "step3p5", "talkie", "telechat3", "youtu_llm",
 )
 ARCH_CONFIGS: dict[str, dict] = {**HAND, **{t: tiny_config(t) for t in GENERATED}}
