@@ -320,7 +320,7 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     repacked (`repack`), never rounded a second time."""
     triple = provider.get_quantized(name)
     array, src_dtype = to_numpy(provider.get(name) if triple is None else triple.dequantize())
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray, which makes a 0-d array 1-d
     scheme, reason = choose_scheme(name, array.shape, opts, kind)
     if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
         if plan.rewrites(name):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from numbers import Integral, Real
 from os import PathLike
 from pathlib import Path
@@ -99,7 +99,7 @@ class ModelConfig:
             if value is not None and not is_valid(value):
                 raise FormatError(path, f"config key {key} is {value!r}; it must be {what}")
         if "tie_word_embeddings" not in rest:
-            rest["tie_word_embeddings"] = family.tie_word_embeddings_default if family else False
+            rest["tie_word_embeddings"] = tie_word_embeddings_default(rest["model_type"]) if family else False
 
         names = {f.name for f in fields(cls)} - {"extra"}
         values = {key: rest.pop(key) for key in names if key in rest}
@@ -112,6 +112,19 @@ class ModelConfig:
         aliases = _aliases(self.model_type)
         out.update({alias: out[name] for alias, name in aliases.items()})
         return {key: value for key, value in out.items() if value is not None and key not in aliases.values()}
+
+
+def tie_word_embeddings_default(model_type: str) -> bool:
+    """Whether mlx_lm ties `model_type`'s output head to its token embedding when config.json does not say: its
+    ModelArgs' default; True where its ModelArgs has no such field: GPT-2 has no head of its own, and Gemma 3 uses
+    one only when the weights hold it, so it is never required."""
+    from mlx_lm.utils import _get_classes
+
+    _, model_args = _get_classes({"model_type": model_type})
+    tie = next((f for f in fields(model_args) if f.name == "tie_word_embeddings"), None)
+    if tie is None:
+        return True
+    return False if tie.default is MISSING else tie.default  # a required field: mlx_lm refuses such a config
 
 
 def _family(model_type: str | None) -> Architecture | None:

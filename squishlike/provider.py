@@ -52,10 +52,13 @@ class WeightProvider:
                 reader = self.reader = SanitizedReader(reader)
             self.arch = mlx_named(self.config.model_type, reader.tensors())
         stored = reader.tensors()
-        if self.config.num_hidden_layers > len(stored):  # every layer stores at least one tensor
-            raise FormatError(reader.path, f"config says num_hidden_layers={self.config.num_hidden_layers}, more "
-                                           f"layers than the {len(stored)} tensors it stores")
-        rows = self.arch.expanded_rules(self.config.num_hidden_layers)
+        # A table family's config has its layer count (config.REQUIRED), which sizes its rows: every layer stores
+        # at least one tensor. Any other family's layers are the model mlx_lm built for the sanitize view.
+        layers = self.config.num_hidden_layers if self.arch.canonical_names == "canonical" else None
+        if layers is not None and layers > len(stored):
+            raise FormatError(reader.path, f"config says num_hidden_layers={layers}, more layers than the "
+                                           f"{len(stored)} tensors it stores")
+        rows = self.arch.expanded_rules(layers)
         # The table column the file's names are in: the reader's, or mlx_lm's where an unquantized directory
         # written by mlx_lm holds names that differ from HF's (GPT-2's `model.` prefix).
         found = {naming: sum(getattr(r, naming) in stored for r in rows) for naming in (reader.naming, "mlx")}

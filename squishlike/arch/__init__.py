@@ -98,7 +98,6 @@ class Architecture:
     adapters: tuple[Adapter, ...] = ()
     # config.json keys this family spells differently, e.g. GPT-2's {"n_embd": "hidden_size"}
     config_aliases: Mapping[str, str] = field(default_factory=dict)
-    tie_word_embeddings_default: bool = False  # transformers' default when config.json omits the key
     # extra config.json keys from GGUF metadata; `get(suffix)` reads `{arch}.{suffix}`, then `{suffix}`
     gguf_config: Callable[[Callable[[str], Any], dict], dict] | None = None
 

@@ -52,7 +52,6 @@ GEMMA3_TEXT = Architecture(
         *OUTPUT,
     ),
     adapters=(NORM_OFFSET,),
-    tie_word_embeddings_default=True,
     gguf_config=_gguf_config,
 )
 

@@ -52,7 +52,6 @@ GPT2 = Architecture(
         "n_ctx": "max_position_embeddings",
         "layer_norm_epsilon": "layer_norm_eps",
     },
-    tie_word_embeddings_default=True,
 )
 
 ARCHITECTURES = [GPT2]

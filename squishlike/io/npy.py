@@ -30,7 +30,7 @@ def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 def write_npy_stream(final: Path, array: np.ndarray, atomic: bool = True) -> dict:
     """Write `array` as a .npy; return its file record. `atomic=False`: straight to `final`, for a file inside a
     temp directory published by publish_dir."""
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # keeps a 0-d array 0-d, as ascontiguousarray does not
     with (atomic_file(final) if atomic else stream_file(final)) as w:
         w.write(npy_header(array.dtype, array.shape))
         w.write(array.reshape(-1).view(np.uint8) if array.size else b"")

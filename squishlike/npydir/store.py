@@ -290,7 +290,7 @@ class NpyDir:
         memory (like mlx_lm's model.set_dtype)."""
         if entry.stored_dtype == self.runtime_dtype:
             return stored
-        values = to_mx(np.ascontiguousarray(stored), entry.stored_dtype)
+        values = to_mx(np.asarray(stored, order="C"), entry.stored_dtype)
         return to_numpy(values.astype(MX_DTYPES[self.runtime_dtype]))[0]
 
     def quantized(self, name: str) -> QuantizedTensor | None:

@@ -144,10 +144,17 @@ def test_config_missing_keys_name_the_file_and_the_keys():
         ModelConfig.from_dict(broken, "model/config.json")
 
 
-def test_tie_default_follows_transformers_when_the_key_is_absent():
-    untied = {k: v for k, v in CONFIGS["llama"].items() if k != "tie_word_embeddings"}
-    assert ModelConfig.from_dict(untied).tie_word_embeddings is False
-    assert ModelConfig.from_dict(CONFIGS["gemma3_text"]).tie_word_embeddings is True
+@pytest.mark.parametrize("base, model_type", [("llama", "llama"), ("llama", "ministral3"), ("llama", "qwen2"),
+                                               ("gemma3_text", "gemma3_text")])
+def test_tie_default_is_mlx_lms_when_the_key_is_absent(base, model_type):
+    """mlx_lm ties the head as its ModelArgs default says (llama, ministral3: tied), so a load does too; gemma3's
+    ModelArgs has no such field: its head is always the embedding."""
+    from mlx_lm.utils import _get_classes
+
+    config = {k: v for k, v in CONFIGS[base].items() if k != "tie_word_embeddings"} | {"model_type": model_type}
+    _, model_args = _get_classes(config)
+    expected = getattr(model_args.from_dict(config), "tie_word_embeddings", True)
+    assert ModelConfig.from_dict(config).tie_word_embeddings is expected
 
 
 def test_config_from_gguf_metadata():
