@@ -17,6 +17,7 @@ import shutil
 import mlx.core as mx
 import mlx_lm
 import pytest
+from support.options import ROUND_TO_NEAREST
 from support.arch_sweep import ARCH_CONFIGS, DEFAULT, KNOWN_FAILING, NOT_SWEPT, model_types
 from support.tiny_models import assert_same_weights, flat_params, make_hf_model
 
@@ -26,7 +27,7 @@ from squishlike.tiers import ORDER
 
 TOKENS = [(7 * i + 3) % 300 for i in range(96)]  # fixed, inside the tokenizer's 300 ids
 FLOORS = {"int8": 0.9, "int4": 0.8}  # least share of positions where the store's top-1 token is the source's
-OPTIONS = {"int8": {}, "int4": {"group_size": 32, "clip_search": True}}
+OPTIONS = {"int8": {}, "int4": {**ROUND_TO_NEAREST, "group_size": 32, "clip_search": True}}
 ROW_SPREAD = 1.5
 ALL_TIERS = ("mlx", "finalized", "int4", "int3")
 

@@ -20,6 +20,7 @@ from openai import NotFoundError, OpenAI
 import squishlike
 from squishlike.errors import IncompatibleVersionError
 from squishlike.mlx_lm_tools import TESTED_MLX_LM, check_mlx_lm_version
+from support.options import ROUND_TO_NEAREST
 
 pytestmark = pytest.mark.smollm
 
@@ -33,7 +34,8 @@ def stores(smollm_gguf, tmp_path_factory) -> dict[str, Path]:
     # float32 and no 4-bit tier: plain float32 Linear layers, the fast CPU path for these forward passes
     root = tmp_path_factory.mktemp("tools")
     return {
-        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, dtype="float32", tiers=("finalized",))
+        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, dtype="float32", tiers=("finalized",),
+                                  **ROUND_TO_NEAREST)
         for fmt in ("int8", "int4")
     }
 
