@@ -118,8 +118,8 @@ def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monke
     with caplog.at_level(logging.INFO, logger="squishlike"):
         first, _ = squishlike.load(out)
     tier = "mlx" if device == "cpu" else "int4"
-    built = [r.getMessage() for r in caplog.records if "built tier" in r.getMessage()]
-    assert len(built) == 1 and f"built tier {tier} (" in built[0] and " MB on disk" in built[0]
+    built = [r.getMessage() for r in caplog.records if "wrote the cache tier" in r.getMessage()]
+    assert len(built) == 1 and f"wrote the cache tier {tier} for" in built[0] and " MB more on disk" in built[0]
     assert _ready(NpyDir(out)) == {tier}  # the default policy: only the tier this device's loads take is built
     later, _ = squishlike.load(out)
     assert load_weights(NpyDir(out)).tier == tier
