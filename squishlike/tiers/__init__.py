@@ -183,11 +183,9 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
     if tier not in BY_NAME:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
     chosen = BY_NAME[tier]
-    goal, order = target(store), ordered(ORDER)
-    if goal is not None and chosen in order and order.index(chosen) > order.index(goal):  # slower here, say why
-        log.warning("%s: tier %s is forced, but a load here would take %s: %s", store.path, tier, goal.name, reason())
     payload, why = chosen.ready(store)
     if payload is not None:
+        _say_if_slower(store, chosen)
         if chosen is COLD:  # it checks the store's files as it loads them
             return COLD.load(store, verify=verify)
         if verify:
@@ -196,8 +194,17 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
     if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
         _cold_and_build(store, [chosen], lazy, verify=verify)
         if chosen.ready(store)[0] is not None:
+            _say_if_slower(store, chosen)
             return chosen.load(store, lazy=lazy)
     raise TierNotReadyError(_not_ready(store, chosen, why))
+
+
+def _say_if_slower(store: NpyDir, forced: Tier) -> None:
+    """A forced tier that comes after the one a load would take on this device: say which, and why."""
+    goal, order = target(store), ordered(ORDER)
+    if goal is not None and forced in order and order.index(forced) > order.index(goal):
+        log.warning("%s: tier %s is forced, but a load here would take %s: %s", store.path, forced.name, goal.name,
+                    reason())
 
 
 def _not_ready(store: NpyDir, tier: Tier, why: str) -> str:

@@ -296,7 +296,8 @@ def test_a_tier_copied_from_another_store_is_refused_and_rebuilt(base, tokenizer
 
     other_hf = make_hf_model(tmp_path / "other-hf", CRASH_CONFIG, tokenizer_dir, seed=7)
     other = squishlike.compress(other_hf, tmp_path / "other", format="int4", group_size=32,
-                                tiers=("int4", "mlx", "finalized"))
+                                tiers=("int4", "mlx", "finalized"), quantize_embeddings=False, awq=False, gptq=False,
+                                clip_search=False)
     squishlike.load(other)
     store = shutil.copytree(base.npydir, tmp_path / "model")
     for item in Path(other).iterdir():  # every cache tier's files and sentinels, not the store's own

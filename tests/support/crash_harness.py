@@ -42,7 +42,10 @@ CRASH_CONFIG = dict(
     max_position_embeddings=256,
     tie_word_embeddings=False,
 )
-COMPRESS_OPTS = dict(format="int4", group_size=32, tiers=["int4", "mlx", "finalized"])
+# Embeddings exact and no calibration: the trials need a store of a known layout and size (the disk-full limits
+# are sized for it), not its accuracy.
+COMPRESS_OPTS = dict(format="int4", group_size=32, tiers=["int4", "mlx", "finalized"], quantize_embeddings=False,
+                     awq=False, gptq=False, clip_search=False)
 
 
 # ---------------------------------------------------------------------------------------------- the server side
