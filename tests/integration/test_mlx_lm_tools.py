@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from openai import NotFoundError, OpenAI
 import squishlike
 from squishlike.errors import IncompatibleVersionError
 from squishlike.mlx_lm_tools import TESTED_MLX_LM, check_mlx_lm_version
+from support.net import free_port
 from support.options import ROUND_TO_NEAREST
 
 pytestmark = pytest.mark.smollm
@@ -48,12 +48,6 @@ def run(*args: object, stdin: str | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run(squishlike_command(*args), input=stdin, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return done
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

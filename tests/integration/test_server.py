@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 from openai import APIStatusError, NotFoundError, OpenAI
 
 import squishlike
+from support.net import free_port
 from support.options import ROUND_TO_NEAREST
 from support.tiny_models import TINY_CONFIGS, make_hf_model
 
@@ -40,12 +40,6 @@ def root(smollm_gguf, tokenizer_dir, tmp_path_factory) -> Path:
         squishlike.compress(hf, where / name, format="int8", dtype="float32", tiers=("finalized",))
     (models / "link-out").symlink_to(outside / "secret")
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
