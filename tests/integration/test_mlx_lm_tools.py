@@ -7,8 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from openai import NotFoundError, OpenAI
 import squishlike
 from squishlike.errors import IncompatibleVersionError
 from squishlike.mlx_lm_tools import TESTED_MLX_LM, check_mlx_lm_version
-from support.net import free_port
+from support.net import free_port, wait_until_answers
 from support.options import ROUND_TO_NEAREST
 
 pytestmark = pytest.mark.smollm
@@ -62,15 +60,7 @@ def running_server(model: Path, log: Path, startup_s: float = 300):
             stdout=out, stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            assert server.poll() is None, f"the server exited with {server.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not answer in {startup_s} s:\n{log.read_text()}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).close()
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_until_answers(server, f"http://127.0.0.1:{port}/v1/models", log, startup_s)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.kill()

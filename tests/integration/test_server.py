@@ -17,7 +17,7 @@ import pytest
 from openai import APIStatusError, NotFoundError, OpenAI
 
 import squishlike
-from support.net import free_port
+from support.net import free_port, wait_until_answers
 from support.options import ROUND_TO_NEAREST
 from support.tiny_models import TINY_CONFIGS, make_hf_model
 
@@ -53,15 +53,7 @@ def server(root: Path, *flags: object, startup_s: float = 120):
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root,
         )
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            assert process.poll() is None, f"the server exited with {process.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not answer in {startup_s} s:\n{log.read_text()}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                time.sleep(0.3)
+        wait_until_answers(process, f"http://127.0.0.1:{port}/health", log, startup_s)
         yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed", timeout=300, max_retries=0), \
             process, log
     finally:
