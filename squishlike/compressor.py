@@ -22,18 +22,15 @@ from tqdm.auto import tqdm
 
 from . import quant
 from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
-from .dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
+from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, OutputExistsError, QuantizationError
-from .formats import QuantizedTensor
-from .npydir import MANIFEST, TENSORS, ErrorStats, FileRecord, Manifest, Policy, Source, TensorEntry, is_npydir
-from .npydir.manifest import encode_key
+from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir
 from .quant.schemes import SCHEMES, rows_cols
+from .quant.tensor import QuantizedTensor
 from .provider import WeightProvider
-from .io.atomic import make_temp_dir, publish_dir, sweeping_temps, write_json
+from .io.atomic import make_temp_dir, publish_dir, sweeping_temps
 from .io.files import read_json
-from .io.checksum import file_record
 from .io.lock import exclusive
-from .io.npy import write_npy_stream
 from .options import checks_options
 
 # A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
@@ -163,21 +160,25 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
             plan = _calibration_plan(provider, opts)
             if plan is not None:
                 opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
-            summary = _write_store(provider, tmp, opts, plan)
+            writer = _write_store(provider, tmp, opts, plan)
             if opts.format == "int3":
-                _gate_int3(provider, tmp, out, opts, plan)
+                _gate_int3(provider, writer, out, opts, plan)
             publish_dir(tmp, out)
         dtype = source_dtype(provider)
-    return CompressReport(out, str(src), dtype, opts.format, summary["tiers"], summary["tensors"],
-                          summary["quantized"], summary["source_bytes"], summary["store_bytes"],
-                          round(time.perf_counter() - started, 1))
+        source_bytes = sum(t.nbytes for t in provider.reader.tensors().values())
+    manifest = writer.manifest
+    return CompressReport(out, str(src), dtype, opts.format, manifest.policy.tiers, len(manifest.tensors),
+                          sum(e.kind.quantized for e in manifest.tensors.values()), source_bytes,
+                          sum(r.size for r in manifest.part_files().values()), round(time.perf_counter() - started, 1))
 
 
-def _gate_int3(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions, plan) -> None:
-    """Measure the INT3 gate on the unpublished store; a store that fails it is not written (docs/format.md §6.4)."""
-    from .calibration import write_int3_gate
+def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: CompressOptions, plan) -> None:
+    """Measure the INT3 gate on the unpublished store and record it in its manifest; a store that fails it is not
+    written (docs/format.md §6.4)."""
+    from .calibration import int3_gate
 
-    gate = write_int3_gate(provider, tmp, opts, plan)  # re-writes the manifest, atomically
+    gate = int3_gate(provider, writer.path, opts, plan)
+    writer.record_int3_gate(gate)
     if opts.int3_gate and not gate["passed"]:
         raise AccuracyGateError(
             f"{out}: not written: the INT3 store fails its accuracy gate ({gate['reason']}). Options: format=int4; "
@@ -256,7 +257,8 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, plan=None) -> dict:
+def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, plan=None) -> NpyDirWriter:
+    """Quantize every tensor of the source into the npy-dir at `tmp`; returns its writer, the manifest written."""
     from .model import new_model, parameter_shapes  # imports mlx_lm
 
     runtime = opts.dtype or runtime_dtype(provider)
@@ -265,7 +267,7 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
     model = new_model(provider.dense_config(), provider.reader.path)
     provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
     kinds = weight_kinds(provider, model)  # the model decides what is quantized
-    (tmp / TENSORS).mkdir()
+    writer = NpyDirWriter(tmp, runtime)
     with tqdm(total=sum(t.nbytes for t in infos.values()), unit="B", unit_scale=True, desc="compress", disable=None,
               file=sys.stderr) as bar:
         pipeline = _Pipeline(bar)
@@ -275,41 +277,42 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
                 entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime, plan,
                                                                            kinds.get(name))
                 nbytes = info.nbytes if info else array.nbytes
-                pipeline.submit(name, nbytes, _finish_tensor, tmp, entry, array, src_dtype, parts, runtime, checked)
+                pipeline.submit(nbytes, _finish_tensor, writer, name, entry, array, src_dtype, parts, checked)
             pipeline.drain()
         finally:
             pipeline.close()
-    return _finish_store(provider, tmp, opts, runtime, pipeline.entries, side_files)
+    _finish_store(provider, writer, opts, side_files)
+    return writer
 
 
 class _Pipeline:
     """A pipeline of two: while the main thread reads and quantizes tensor i+1 (the Rust kernels use every core),
     a worker measures tensor i's error and writes its files (NumPy, hashing and the writes release the GIL). At
-    most one tensor waits behind the one being finished, so memory stays bounded."""
+    most one tensor waits behind the one being finished, so memory stays bounded; one worker finishes them in
+    order, so the manifest lists them in the source's order."""
 
     def __init__(self, bar: tqdm):
-        self.entries: dict[str, TensorEntry] = {}
         self._bar = bar
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="squishlike-store")
         self._pending: deque = deque()
 
-    def submit(self, name: str, nbytes: int, finish, *args) -> None:
+    def submit(self, nbytes: int, finish, *args) -> None:
         while len(self._pending) >= 2:
             self._finish_oldest()
-        self._pending.append((name, self._pool.submit(finish, *args), nbytes))
+        self._pending.append((self._pool.submit(finish, *args), nbytes))
 
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()
 
     def close(self) -> None:
-        for _, future, _ in self._pending:
+        for future, _ in self._pending:
             future.cancel()
         self._pool.shutdown(wait=True)
 
     def _finish_oldest(self) -> None:
-        name, future, nbytes = self._pending.popleft()
-        self.entries[name] = future.result()
+        future, nbytes = self._pending.popleft()
+        future.result()
         self._bar.update(nbytes)
 
 
@@ -353,10 +356,10 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
 
 
-def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: str, parts: dict | None,
-                   runtime: str, checked: bool) -> TensorEntry:
-    """Error statistics, the outlier check (unless `checked` already), and the tensor's files: the manifest entry,
-    complete."""
+def _finish_tensor(writer: NpyDirWriter, name: str, entry: TensorEntry, array: np.ndarray, src_dtype: str,
+                   parts: dict | None, checked: bool) -> TensorEntry:
+    """Error statistics and the outlier check (unless `checked` already), then the tensor's files (the writer):
+    the manifest entry, complete."""
     scheme = entry.scheme
     if entry.kind.quantized:
         entry.error = error_stats(array, src_dtype, parts, entry)
@@ -364,53 +367,29 @@ def _finish_tensor(tmp: Path, entry: TensorEntry, array: np.ndarray, src_dtype: 
             entry.scheme = "passthrough"
             entry.reason = f"outliers: relative error {entry.error.rel_error:.3f} > {ERROR_LIMITS[scheme]} for {scheme}"
             entry.group_size = entry.scale_dtype = None
-    if not entry.kind.quantized:
-        if entry.dtype not in NP_STORAGE and src_dtype != runtime:
-            # Dequantized from a quantized source (a GGUF Q8_0 embedding): its float32 values hold no more than the
-            # runtime dtype it is cast to at load, so store that (the same mx rounding, half the bytes at rest).
-            array, src_dtype = to_numpy(to_mx(array, src_dtype).astype(MX_DTYPES[runtime]))
-        parts = dict(zip(entry.kind.suffixes, [array]))
-        entry.stored_dtype = src_dtype
-    # Inside the temp directory that publish_dir fsyncs and renames as a whole: no per-file temp name and fsync.
-    entry.files = {
-        suffix: FileRecord.from_json(write_npy_stream(tmp / entry.part_file(suffix), part, atomic=False))
-        for suffix, part in parts.items()
-    }
-    return entry
+    return writer.add_tensor(name, entry, parts if entry.kind.quantized else None, array, src_dtype)
 
 
-def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, TensorEntry],
-                  written: list[Path]) -> dict:
+def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: CompressOptions, written: list[Path]) -> None:
+    """The tokenizer's facts and the manifest: the store complete."""
     from . import tokenizer  # mlx_lm and transformers: imported only once a store is written
 
     # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
-    eos_token_ids = read_json(tmp / "config.json").get("eos_token_id")
-    written += tokenizer.write_facts(tmp, {"trust_remote_code": False}, eos_token_ids)
-    side_files = {p.name: FileRecord.from_json(file_record(p)) for p in written}
-    schemes = {e.scheme for e in entries.values()}
+    eos_token_ids = read_json(writer.path / "config.json").get("eos_token_id")
+    writer.add_side_files(written + tokenizer.write_facts(writer.path, {"trust_remote_code": False}, eos_token_ids))
+    schemes = {e.scheme for e in writer.tensors.values()}
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[t for s, t in QUANTIZED_TIERS.items() if s in schemes])
     source = Path(provider.reader.path)
-    manifest = Manifest(
+    writer.write_manifest(
         model_type=provider.config.model_type,
         naming=provider.arch.canonical_names,
-        runtime_dtype=runtime,
         scheme=opts.scheme,
         group_size=opts.groups,
         clip_search=opts.clip_search,
         source=Source(str(source.absolute()), provider.format, source_fingerprint(source)),
         policy=Policy(tuple(tiers), "order" if opts.tiers is None else "all"),  # tiers named: the user wants each
-        tensors=entries,
-        side_files=side_files,
-        extra=dict(opts.extra_manifest),
+        extra=opts.extra_manifest,
     )
-    write_json(tmp / MANIFEST, manifest.to_json())
-    return {
-        "tiers": tuple(tiers),
-        "tensors": len(entries),
-        "quantized": sum(e.kind.quantized for e in entries.values()),
-        "source_bytes": sum(t.nbytes for t in provider.reader.tensors().values()),
-        "store_bytes": sum(r.size for r in manifest.part_files().values()),
-    }
 
 
 def source_fingerprint(path: Path) -> str:

@@ -23,6 +23,22 @@ from .io.files import read_bytes, read_json_object
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
+# What mlx_lm.load and transformers' tokenizers look for beside the weights.
+SIDE_FILES = (
+    CONFIG,
+    GENERATION_CONFIG,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
 
 # What a family with a rule table needs (squishlike/arch); any other mlx_lm family needs only its model_type, and
 # its ModelArgs judge the rest.

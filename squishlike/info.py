@@ -7,7 +7,7 @@ from pathlib import Path
 from .errors import FormatError
 from .formats import detect_format
 from .formats.npydir import NpyDirReader
-from .npydir import MANIFEST, NpyDir, is_npydir
+from .npydir import NpyDir, is_npydir
 from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
 from .tiers.rank import RankTier
@@ -66,11 +66,14 @@ def verify_report(path: str | Path) -> dict:
     was checked, in words) and `problems` ([] when all is well); a file too damaged to open is itself a problem,
     so a directory with a manifest.json is checked as an npy-dir even when that manifest is unreadable."""
     path = locate(path)
-    reader_class = NpyDirReader if (path / MANIFEST).is_file() else detect_format(path)
+    reader_class = NpyDirReader if is_npydir(path, damaged=True) else detect_format(path)
     report = {"path": str(path), "format": reader_class.format_name, "checked": reader_class.verifies}
     try:
         reader = reader_class(path)
     except FormatError as e:
         return {**report, "problems": [str(e)]}
     with reader:
-        return {**report, "problems": reader.verify()}
+        problems = reader.verify()
+        if isinstance(reader, NpyDirReader):
+            problems += [p for tier in [*ORDER, *RankTier.cached(reader.store)] for p in tier.verify(reader.store)]
+        return {**report, "problems": problems}

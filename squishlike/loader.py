@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .npydir import NpyDir
+from .npydir import NpyDir, is_npydir
 from .hub import resolve
 from .tiers import load_weights, prepare_memory, release_memory
 
@@ -60,7 +60,7 @@ def load(
     path = resolve(path_or_hf_repo, revision)
     options = {"tokenizer_config": tokenizer_config, "model_config": model_config, "lazy": lazy,
                "trust_remote_code": trust_remote_code}
-    if NpyDir.is_npydir(path):
+    if is_npydir(path):
         store = NpyDir(path)
         prepare_memory(store, tier, lazy)  # fault in the weights' memory on a background thread
         try:

@@ -43,7 +43,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server, load_processor
 
 from .errors import ModelNotFoundError, ServerBusyError, SquishError
-from .npydir import NpyDir
+from .npydir import NpyDir, is_npydir
 from .tiers.base import runtime_bytes
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -312,7 +312,7 @@ def give_back_memory() -> None:
 def expected_nbytes(path: str) -> int:
     """What a model never loaded here is expected to take: a store's tensors in their runtime dtype (what a dense
     tier holds, at most), another model's files on disk (0 for a repo id not downloaded yet)."""
-    if NpyDir.is_npydir(path):
+    if is_npydir(path):
         return runtime_bytes(NpyDir(path))
     root = Path(path)
     if root.is_file():

@@ -36,7 +36,7 @@ import numpy as np
 from .errors import FormatError, MissingTensorError
 from .hub import resolve
 from .io.checksum import check_files
-from .npydir import MANIFEST, NpyDir
+from .npydir import MANIFEST, NpyDir, is_npydir
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -91,7 +91,7 @@ def sharded_load(
     path = resolve(path_or_hf_repo)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        if NpyDir.is_npydir(path):
+        if is_npydir(path):
             store = NpyDir(path)
             verify = verify_wanted(verify)
             store.check_side_files(verify)

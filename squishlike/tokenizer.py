@@ -47,7 +47,7 @@ from .errors import FormatError
 from .io.atomic import write_json
 from .io.checksum import file_checksum
 from .io.files import read_json, read_json_object
-from .npydir.store import TOKENIZER_FACTS
+from .npydir import TOKENIZER_FACTS
 
 log = logging.getLogger(__name__)
 

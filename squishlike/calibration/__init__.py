@@ -44,7 +44,7 @@ AWQ search ~30 s, Fisher pass ~1-2 min, gate ~35 s.
 """
 
 from .awq import Transform, add_scales, group_scales, scale_groups, search_awq
-from .gate import int3_gate, write_int3_gate
+from .gate import int3_gate
 from .mixed import fisher_diagonal, plan_mixed
 from .plan import Plan, prepare
 from .quantizer import Quantizer
@@ -53,5 +53,5 @@ from .stats import Calibration, ScaleGroup, calibration_windows, collect, source
 __all__ = [
     "Calibration", "Plan", "Quantizer", "ScaleGroup", "Transform", "add_scales", "calibration_windows", "collect",
     "fisher_diagonal", "group_scales", "int3_gate", "plan_mixed", "prepare", "scale_groups", "search_awq",
-    "source_model", "write_int3_gate",
+    "source_model",
 ]

@@ -8,11 +8,9 @@ from typing import Any
 
 from ..compress_options import CompressOptions
 from ..evaluation import passes_gate, perplexity, prepare_for_eval
-from ..npydir import MANIFEST, NpyDir
+from ..npydir import NpyDir
 from ..model import assemble
 from ..provider import WeightProvider
-from ..io.atomic import write_json
-from ..io.files import read_json
 from ..tiers import load_weights
 from .plan import Plan
 from .stats import CALIBRATION_TEXT, calibration_windows, log, source_model
@@ -62,14 +60,3 @@ def int3_gate(provider: WeightProvider, store_dir: Path, opts: CompressOptions, 
     log(f"INT3 gate: {'passed' if passed else 'failed'}: {record['reason']}")
     return record
 
-
-def write_int3_gate(
-    provider: WeightProvider, store_dir: Path, opts: CompressOptions, plan: Plan | None
-) -> dict[str, Any]:
-    """Run the gate on the unpublished store at `store_dir` and record it as manifest["int3_gate"] (atomically,
-    before compress publishes the directory)."""
-    record = int3_gate(provider, Path(store_dir), opts, plan)
-    manifest = read_json(Path(store_dir) / MANIFEST)
-    manifest["int3_gate"] = record
-    write_json(Path(store_dir) / MANIFEST, manifest)
-    return record

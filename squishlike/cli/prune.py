@@ -19,10 +19,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..errors import FormatError
-    from ..npydir import MANIFEST, NpyDir
+    from ..npydir import MANIFEST, NpyDir, is_npydir
     from ..tiers import BY_NAME, COLD, choice, prune
 
-    if Path(args.path).is_dir() and not (Path(args.path) / MANIFEST).exists():
+    if Path(args.path).is_dir() and not is_npydir(args.path, damaged=True):
         raise FormatError(args.path, f"not a squishlike store (no {MANIFEST})")
     store = NpyDir(args.path)
     if args.keep is None:

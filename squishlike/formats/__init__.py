@@ -11,6 +11,7 @@ from importlib import import_module
 from pathlib import Path
 
 from ..errors import ModelNotFoundError, UnknownFormatError
+from ..npydir import MANIFEST, is_npydir
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
 # (module, class) pairs, imported on first use so that `import squishlike` stays cheap.
@@ -36,8 +37,8 @@ def detect_format(path: str | Path) -> type[FormatReader]:
         if reader.detect(path):
             return reader
     # the two half-models mlx_lm.load names, in its words
-    if path.is_dir() and (path / "manifest.json").exists():  # most likely a damaged npy-dir: name its manifest
-        raise UnknownFormatError(path, f"{path / 'manifest.json'} is not a squishlike npy-dir manifest (not a JSON "
+    if is_npydir(path, damaged=True):  # a damaged npy-dir: name its manifest
+        raise UnknownFormatError(path, f"{path / MANIFEST} is not a squishlike npy-dir manifest (not a JSON "
                                        "object of its format) and there are no *.safetensors")
     if path.is_dir() and (path / "config.json").is_file():
         raise UnknownFormatError(path, f"No safetensors found in {path}: it has a config.json but no *.safetensors")

@@ -16,6 +16,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from ..errors import SquishError
+from ..quant.tensor import QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -27,36 +28,6 @@ class TensorInfo:
     dtype: str  # "float32", "float16", "bfloat16", or a quant type: "Q4_1", "affine4", "mxfp4", "int8" ...
     nbytes: int  # bytes it occupies on disk
     quantized: bool = False
-
-
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """A weight in MLX's quantized layout: packed uint32 words, per-group scales and (affine only) biases."""
-
-    weight: mx.array
-    scales: mx.array
-    biases: mx.array | None
-    group_size: int
-    bits: int
-    mode: str = "affine"  # "affine", "mxfp4", "mxfp8", "nvfp4"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The dense tensor's shape: each uint32 word packs 32 / bits values of its last axis."""
-        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
-
-    def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
-        w = mx.dequantize(
-            self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits, mode=self.mode
-        )
-        return w if dtype is None else w.astype(dtype)
-
-    def parameters(self, layer: str) -> dict[str, mx.array]:
-        """The triple as the quantized module `layer` holds it: `<layer>.weight`, `.scales`, and `.biases` (affine)."""
-        parts = {f"{layer}.weight": self.weight, f"{layer}.scales": self.scales}
-        if self.biases is not None:
-            parts[f"{layer}.biases"] = self.biases
-        return parts
 
 
 class FormatReader(ABC):

@@ -1,4 +1,6 @@
-"""The npy-dir as a FormatReader (squishlike/npydir/ owns the format): canonical names, dequantized values."""
+"""The npy-dir as a FormatReader: an adapter over squishlike/npydir/, which owns the format (canonical names,
+values dequantized from the store). What the cache tiers beside the store hold is verified by the tiers
+themselves (info.verify_report)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..dtypes import to_mx
-from ..npydir import NpyDir, is_npydir
-from ..npydir.store import TOKENIZER_FACTS, UNRECORDED
+from ..npydir import TOKENIZER_FACTS, UNRECORDED, NpyDir, is_npydir
 from ..io.atomic import copy_file
 from ..io.checksum import check_files, verify_files
 from ..io.files import read_json
-from ..io.sentinel import read_sentinel
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
 
@@ -67,22 +67,13 @@ class NpyDirReader(FormatReader):
         return self.store.quantized(name)
 
     def verify(self) -> list[str]:
-        from ..tiers import ORDER  # the tiers build on the store; imported on use
-        from ..tiers.rank import RankTier
-
+        """The store's own files; the tiers beside it are checked by info.verify_report."""
         problems = verify_files(self.store.path, self.store.file_records())
         problems += [f"{p}: {UNRECORDED}" for p in self.store.unrecorded_side_files()]
         if TOKENIZER_FACTS in self.store.manifest.side_files:  # its record may be true and its content hostile
             from ..tokenizer import facts_problem  # transformers: imported on use
 
             problems += [p for p in [facts_problem(self.store.path)] if p is not None]
-        for tier in [*ORDER, *RankTier.cached(self.store)]:
-            sentinel = self.store.path / tier.sentinel
-            payload, why = read_sentinel(sentinel, self.store.fingerprint)
-            if payload is not None:
-                problems += [f"tier {tier.name}: {p}" for p in verify_files(sentinel.parent, payload["files"])]
-            elif sentinel.exists():
-                problems.append(f"tier {tier.name}: {sentinel} does not count ({why})")
         return problems
 
     def write_side_files(self, dest: Path) -> list[Path]:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from safetensors import SafetensorError, safe_open
 
-from ..config import CONFIG, read_config
+from ..config import CONFIG, SIDE_FILES, read_config
 from ..errors import FormatError, MissingTensorError
 from ..io.atomic import atomic_file, copy_file, stream_file
 from ..io.files import open_regular, read_json, regular_file
@@ -32,22 +32,6 @@ from .base import FormatReader, TensorInfo
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# What mlx_lm.load and transformers' tokenizers look for beside the weights.
-SIDE_FILES = (
-    CONFIG,
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "tiktoken.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-)
 SIDE_FILE_PATTERNS = ("*.tiktoken",)
 
 # safetensors dtype -> the MLX dtype that holds it exactly. Types MLX has no exact home for (F64, F8_*, F4, F6_*)

@@ -7,7 +7,9 @@ The manifest is keyed by canonical tensor name; `key` is a reversible, filesyste
 Each scheme stores a fixed set of parts (squishlike/quant/schemes.py), and every part has a dtype and shape that
 follow from the tensor's shape, so a reader can reject a file that does not fit its role before using it.
 
-manifest.py is the typed manifest and its validation; store.py opens a store and reads its parts.
+The format is read and written here only, as a pair: manifest.py is the typed manifest and its validation;
+reader.py opens a store and reads its parts (NpyDir), and says whether a path is one (is_npydir, which every
+caller asks); writer.py writes a store's parts and its manifest (NpyDirWriter).
 """
 
 from ..quant.schemes import SCHEMES, Part, Role, Scheme
@@ -26,18 +28,22 @@ from .manifest import (
     encode_key,
     part_file,
 )
-from .store import NpyDir, is_npydir, read_source
+from .reader import TOKENIZER_FACTS, UNRECORDED, NpyDir, is_npydir, read_source
+from .writer import NpyDirWriter
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
     "TENSORS",
+    "TOKENIZER_FACTS",
+    "UNRECORDED",
     "SCHEMES",
     "ErrorStats",
     "FileRecord",
     "Manifest",
     "NpyDir",
+    "NpyDirWriter",
     "Part",
     "Policy",
     "Role",

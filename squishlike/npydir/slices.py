@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import quant
 from ..quant.schemes import Role, rows_cols
-from .store import NpyDir
+from .reader import NpyDir
 
 Runs = list[tuple[int, int]]
 

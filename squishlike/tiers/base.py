@@ -16,6 +16,7 @@ import numpy as np
 from ..arch import architecture_for
 from ..dtypes import NP_STORAGE
 from ..errors import FormatError
+from ..io.checksum import verify_files
 from ..io.sentinel import read_sentinel
 from ..npydir import NpyDir
 
@@ -72,6 +73,15 @@ class Tier(ABC):
     def needs_dense(self, store: NpyDir) -> set[str]:
         """The canonical names whose dequantized buffers build() reads: every tensor, unless the tier repacks some."""
         return set(store.entries)
+
+    def verify(self, store: NpyDir) -> list[str]:
+        """For `verify`: each file of the tier that differs from any hash its sentinel records, or why a sentinel
+        that is there does not count; [] when all is well or the tier was never built."""
+        sentinel = store.path / self.sentinel
+        payload, why = read_sentinel(sentinel, store.fingerprint)
+        if payload is not None:
+            return [f"tier {self.name}: {p}" for p in verify_files(sentinel.parent, payload["files"])]
+        return [f"tier {self.name}: {sentinel} does not count ({why})"] if sentinel.exists() else []
 
     def disk_bytes(self, store: NpyDir) -> int:
         """The bytes of the tier's files on disk, as its sentinel records them; 0 when it is not ready."""

@@ -19,7 +19,7 @@ import pytest
 
 import squishlike
 from squishlike.cli import build_parser
-from squishlike.npydir import NpyDir
+from squishlike.npydir import NpyDir, is_npydir
 
 README = Path(__file__).parents[2] / "README.md"
 ANSI = re.compile(r"\x1b\[")
@@ -107,7 +107,7 @@ def test_prune_says_what_it_did_and_what_was_not_there(tiny_llama, tmp_path):  #
 
     done = cli("prune", store, "--keep", "")
     assert "removed tier mlx" in done.stdout and not (store / "squish_weights.safetensors").exists()
-    assert NpyDir.is_npydir(store)
+    assert is_npydir(store)
 
 
 def test_prune_removes_the_int8_tier_directory(tiny_llama, tmp_path):  # defect 8

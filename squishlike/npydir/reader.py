@@ -21,9 +21,8 @@ import numpy as np
 from .. import quant
 from ..dtypes import MX_DTYPES, to_mx, to_numpy
 from ..errors import FormatError, IntegrityError, MissingTensorError, UnsupportedArchitectureError
-from ..formats.base import QuantizedTensor
-from ..formats.safetensors import SIDE_FILES
-from ..config import load_config
+from ..quant.tensor import QuantizedTensor
+from ..config import SIDE_FILES, load_config
 from ..io.checksum import check_files
 from ..io.files import open_regular, read_bytes, read_json, regular_file
 from ..io.npy import read_npy_header
@@ -43,11 +42,15 @@ def _all_finite(array: np.ndarray, dtype: np.dtype) -> bool:
     return bool(np.isfinite(array).all())
 
 
-def is_npydir(path: str | Path) -> bool:
-    """Whether `path` holds an npy-dir manifest (checked cheaply: its format field only)."""
+def is_npydir(path: str | Path, damaged: bool = False) -> bool:
+    """Whether `path` holds an npy-dir manifest (checked cheaply: its format field only). With `damaged`, also a
+    directory whose manifest file is there but unreadable: what verify checks as an npy-dir, and what the errors
+    of prune and of format detection name as one."""
     manifest = Path(path) / MANIFEST
     if not manifest.is_file():
         return False
+    if damaged:
+        return True
     try:
         return read_json(manifest).get("format") == FORMAT
     except (FormatError, AttributeError):
@@ -105,8 +108,6 @@ class NpyDir:
         self._validate_side_files(manifest_path)
         self._validate_architecture(manifest_path)
         self._validate_dimensions(manifest_path)
-
-    is_npydir = staticmethod(is_npydir)
 
     def _validate_side_files(self, manifest_path: Path) -> None:
         """Side files are plain files inside the directory, never links that lead out of it."""
