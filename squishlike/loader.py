@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from .npydir import NpyDir, is_npydir
 from .hub import resolve
-from .tiers import load_weights, prepare_memory, release_memory
+from .tiers.load import load_weights
+from .tiers.prepare import prepare_memory, release_memory
 
 if TYPE_CHECKING:
     import mlx.nn as nn

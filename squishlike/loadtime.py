@@ -182,7 +182,7 @@ def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_p
     if generate:
         report.update(_generate(model, tokenizer, generate))
     if loader == "squishlike":  # a first load's cache build, left to a background thread
-        from squishlike.tiers import wait_for_builds
+        from squishlike.tiers.background import wait_for_builds
 
         wait_for_builds()
         report["built_at"] = time.monotonic()

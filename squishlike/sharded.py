@@ -86,7 +86,7 @@ def sharded_load(
     import mlx.core as mx
 
     from .model import model_tokenizer
-    from .tiers import verify_wanted
+    from .tiers.load import verify_wanted
 
     path = resolve(path_or_hf_repo)
     started = time.perf_counter()

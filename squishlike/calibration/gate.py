@@ -11,7 +11,7 @@ from ..evaluation import passes_gate, perplexity, prepare_for_eval
 from ..npydir import NpyDir
 from ..model import assemble
 from ..provider import WeightProvider
-from ..tiers import load_weights
+from ..tiers.load import load_weights
 from .plan import Plan
 from .stats import CALIBRATION_TEXT, calibration_windows, log, source_model
 

@@ -20,7 +20,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..errors import FormatError
     from ..npydir import MANIFEST, NpyDir, is_npydir
-    from ..tiers import BY_NAME, COLD, choice, prune
+    from ..tiers import BY_NAME, COLD, choice
+    from ..tiers.prune import prune
 
     if Path(args.path).is_dir() and not is_npydir(args.path, damaged=True):
         raise FormatError(args.path, f"not a squishlike store (no {MANIFEST})")

@@ -1,4 +1,9 @@
-"""What every tier is: a sentinel that says "ready", a way to load, a way to build from the store."""
+"""What every tier is: a sentinel that says "ready", a way to load, a way to build from the store.
+
+A tier declares its files once: `sentinel` and `paths`. Its readiness (a sentinel that records only files of the
+tier), `verify`, `inspect` (disk_bytes), `prune` (remove) and the refusal of linked tier directories all derive
+from that declaration, so a new tier cannot forget one of them.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ class Loaded:
 class Tier(ABC):
     name: ClassVar[str]
     sentinel: ClassVar[str]  # path of the sentinel file, relative to the npy-dir
-    paths: ClassVar[tuple[str, ...]] = ()  # the files and directories the tier writes, relative to the npy-dir
+    paths: ClassVar[tuple[str, ...]]  # every other file and directory the tier writes, relative to the npy-dir
 
     def wanted(self, store: NpyDir) -> bool:
         """Whether the store's cache policy asks for this tier (and the store can feed it)."""
@@ -47,7 +52,17 @@ class Tier(ABC):
         link = self.link_on_the_way(store)
         if link is not None:
             return None, f"{link.relative_to(store.path)} is a symbolic link out of the directory"
-        return read_sentinel(store.path / self.sentinel, store.fingerprint)
+        payload, why = read_sentinel(store.path / self.sentinel, store.fingerprint)
+        base = Path(self.sentinel).parent
+        stranger = next((rel for rel in (payload or {}).get("files", {}) if not self.owns(base / rel)), None)
+        if stranger is not None:
+            return None, f"it records {stranger}, which is not a file of tier {self.name}"
+        return payload, why
+
+    def owns(self, rel: str | Path) -> bool:
+        """Whether `rel` (relative to the npy-dir) is one of the tier's files: its sentinel, or under its paths."""
+        rel = Path(rel)
+        return rel == Path(self.sentinel) or any(rel == Path(p) or Path(p) in rel.parents for p in self.paths)
 
     def link_on_the_way(self, store: NpyDir) -> Path | None:
         """The first directory between the store and the tier's sentinel that is a symbolic link (a tier
@@ -67,7 +82,7 @@ class Tier(ABC):
             raise FormatError(link, f"is a symbolic link; squishlike writes tiers of {store.path} only inside it")
 
     def nbytes(self, store: NpyDir) -> int:
-        """About how many bytes of memory a load from this tier fills (to reserve them ahead, tiers/fastmem.py)."""
+        """About how many bytes of memory a load from this tier fills (to reserve them ahead, squishlike/memory.py)."""
         return runtime_bytes(store)
 
     def needs_dense(self, store: NpyDir) -> set[str]:

@@ -1,6 +1,6 @@
 """The cold tier: the store itself, dequantized by the Rust kernels. Always ready; the tier the others are built from.
 
-The model's final MLX arrays are allocated first (in huge pages, tiers/fastmem.py) and the kernels dequantize
+The model's final MLX arrays are allocated first (in huge pages, squishlike/memory.py) and the kernels dequantize
 straight into them, several tensors at a time; the cache tiers' builds then stream those same buffers to disk.
 One copy of the model in memory, written once.
 """
@@ -20,12 +20,13 @@ from ..errors import FormatError
 from ..io.checksum import check_files
 from ..npydir import MANIFEST, NpyDir
 from .base import Loaded, Tier, mlx_names, runtime_bytes
-from .fastmem import assign_streams, cpu_streams, huge_page_arena, prefetch
+from ..memory import assign_streams, cpu_streams, huge_page_arena, prefetch
 
 
 class ColdTier(Tier):
     name = "cold"
     sentinel = MANIFEST  # a store that opened is valid, so its manifest is all this tier needs
+    paths = ()  # the store itself, which nothing removes
 
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
         return {"files": store.part_files()}, "ready"

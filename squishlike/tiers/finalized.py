@@ -2,7 +2,7 @@
 
 Memory-mappable and readable by anything that reads NumPy; the sentinel sits inside the directory, so the
 directory and its "ready" mark appear together in one rename. Loaded with `mx.load` of each file (it reads .npy
-natively), spread over the CPU streams into huge-page memory (tiers/fastmem.py), not through NumPy: a memory map
+natively), spread over the CPU streams into huge-page memory (squishlike/memory.py), not through NumPy: a memory map
 copied by `mx.array` would fault every page twice.
 """
 
@@ -21,7 +21,7 @@ from ..io.npy import check_npy, write_npy_stream
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir, TensorEntry
 from .base import Loaded, Tier, mlx_names
-from .fastmem import load_each, prefetch
+from ..memory import load_each, prefetch
 
 DIRECTORY = "finalized"
 

@@ -16,5 +16,3 @@ class Int8Tier(QuantizedTier):
     scheme = "int8g"
     bits = 8
     directory = "squish_8bit"
-    paths = (directory,)
-    sentinel = ".squish_8bit_ready"

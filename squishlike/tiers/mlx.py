@@ -1,7 +1,7 @@
 """Tier `mlx`: one `squish_weights.safetensors` in the runtime dtype, keyed by mlx_lm parameter names.
 
 The fastest dense tier. Load: `mx.load` spread over one CPU stream per core, its buffers in huge pages
-(tiers/fastmem.py); on Metal, the file's pages wrapped without a copy (`map_without_copy`). Build: the cold path's dequantized buffers are streamed straight into the file (header, then
+(squishlike/memory.py); on Metal, the file's pages wrapped without a copy (`map_without_copy`). Build: the cold path's dequantized buffers are streamed straight into the file (header, then
 each tensor's bytes), checksummed while written; no second copy of the model is ever made.
 """
 
@@ -19,7 +19,7 @@ from ..io.files import open_regular
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from .base import Loaded, Tier, mlx_names
-from .fastmem import load_parallel, prefetch
+from ..memory import load_parallel, prefetch
 
 WEIGHTS = "squish_weights.safetensors"
 METADATA = {"format": "mlx"}  # what mx.save_safetensors records

@@ -33,9 +33,16 @@ WEIGHTS = "model.safetensors"
 
 
 class QuantizedTier(Tier):
+    """An MLX model directory; a subclass declares its `directory`, and its files follow from it."""
+
     scheme: str
     bits: int
     directory: str
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.paths = (cls.directory,)
+        cls.sentinel = f".{cls.directory}_ready"
 
     def unavailable(self, store: NpyDir) -> str | None:
         if self.scheme not in store.manifest.schemes:
@@ -134,8 +141,6 @@ class Int4Tier(QuantizedTier):
     scheme = "int4"
     bits = 4
     directory = "squish_4bit"
-    paths = (directory,)
-    sentinel = ".squish_4bit_ready"
 
 
 class Int3Tier(QuantizedTier):
@@ -145,8 +150,6 @@ class Int3Tier(QuantizedTier):
     scheme = "int3"
     bits = 3
     directory = "squish_3bit"
-    paths = (directory,)
-    sentinel = ".squish_3bit_ready"
 
     def unavailable(self, store: NpyDir) -> str | None:
         if (no_codes := super().unavailable(store)) or store.manifest.int3_passed:

@@ -38,6 +38,7 @@ class RankTier(Tier):
         self.plan = plan  # fingerprint of the kept slices; None: any split (inspect, verify, which never load it)
         self.shapes = shapes or {}  # mlx_lm name -> the shape of the rank's part of it, in the order the build writes
         self.sentinel = f"{DIRECTORY}/{key}/.ready"
+        self.paths = (f"{DIRECTORY}/{key}",)
 
     @classmethod
     def cached(cls, store: NpyDir) -> list[RankTier]:

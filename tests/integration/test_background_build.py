@@ -16,7 +16,8 @@ import squishlike
 from squishlike.errors import IntegrityError
 from squishlike.io.lock import DirectoryLock
 from squishlike.npydir import NpyDir
-from squishlike.tiers import BY_NAME, background, wait_for_builds
+from squishlike.tiers import BY_NAME, background
+from squishlike.tiers.background import wait_for_builds
 
 WRITE = "before-rename:squish_weights.safetensors"  # the mlx tier's file, written and about to be published
 

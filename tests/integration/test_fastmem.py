@@ -1,4 +1,4 @@
-"""The fast-memory path of a load (tiers/fastmem.py, loader.load): memory faulted in ahead on a background thread
+"""The fast-memory path of a load (squishlike/memory.py, loader.load): memory faulted in ahead on a background thread
 while mlx_lm imports, MLX's buffers carved from it. It changes where bytes land, never what they are; and a fresh
 process that loads, generates and exits must exit cleanly."""
 
@@ -13,7 +13,7 @@ import pytest
 
 import squishlike
 from benchmarks.loadbench.pagecache import evict
-from squishlike.tiers import fastmem
+from squishlike import memory as fastmem
 
 TIERS = ("int4", "mlx", "finalized", "cold")
 
@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 import squishlike
 from mlx.utils import tree_flatten
-from squishlike.tiers import fastmem
+from squishlike import memory as fastmem
 fastmem.MIN_ARENA = 0  # the tiny model is far below the size where the arena pays: take that path anyway
 arena = {}
 class ArenaLog(logging.Handler):  # the arena's figures, from squishlike's debug log

@@ -23,7 +23,8 @@ from squishlike.errors import AccuracyGateError, TierNotReadyError
 from squishlike.npydir import NpyDir
 from squishlike.info import inspect_model
 from squishlike.provider import WeightProvider
-from squishlike.tiers import load_weights, target
+from squishlike.tiers import target
+from squishlike.tiers.load import load_weights
 
 CALIB_TOKENS = 512  # keep the float32 passes of the tests short
 

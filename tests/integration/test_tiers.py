@@ -14,7 +14,9 @@ from support.tiny_models import assert_same_weights, cosine, disk_bytes, logits
 import squishlike
 from squishlike.errors import TierNotReadyError
 from squishlike.npydir import NpyDir
-from squishlike.tiers import BY_NAME, ORDER, load_weights, order, target
+from squishlike.tiers import BY_NAME, ORDER, order, target
+from squishlike.tiers.load import load_weights
+from squishlike.tiers.prune import prune
 from squishlike.tiers.order import ordered
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]
@@ -69,6 +71,34 @@ def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
     assert {t.name for t in ORDER if t.ready(store)[0] is not None} == {"mlx", "finalized"}
     for tier in ("mlx", "finalized"):
         assert_same_weights(cold, squishlike.load(per_row, tier=tier)[0])
+
+
+def test_prune_leaves_no_file_of_any_tier(tiny_llama, tmp_path):
+    """Every cache tier, built by a first load, then pruned: each file a build wrote is one its tier declares
+    (Tier.sentinel, Tier.paths), and prune leaves none of them behind; the store is what compress wrote."""
+    built = set()
+    for fmt in ("int8", "int4", "int3"):  # each quantized tier needs a store of its own scheme
+        out = squishlike.compress(tiny_llama, tmp_path / fmt, format=fmt, tiers=("mlx", "finalized", fmt),
+                                  int3_gate=False)
+        if fmt == "int3":
+            _open_int3_gate(out)
+        store_files = _files(out)
+        squishlike.load(out)  # a policy that names its tiers: the first load builds every one
+        store = NpyDir(out)
+        ready = [t for t in ORDER if t.ready(store)[0] is not None]
+        assert {t.name for t in ready} == {"mlx", "finalized", fmt}
+        written = _files(out) - store_files - {".squishlike.lock"}
+        assert written and all(any(t.owns(rel) for t in ready) for rel in written), written
+        freed = prune(store, keep=())
+        assert all(freed[t.name] > 0 for t in ready)
+        assert not any(t.owns(rel) for t in ORDER for rel in _files(out)), _files(out) - store_files
+        assert _files(out) - {".squishlike.lock"} == store_files
+        built.update(t.name for t in ready)
+    assert built == {t.name for t in ORDER}  # a tier added to ORDER must be built and pruned here too
+
+
+def _files(root) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
 def _open_int3_gate(out) -> None:

@@ -197,7 +197,7 @@ def _link_out(store: Path, rel: str, outside: Path) -> None:
 
 def _prune(store: Path) -> None:
     from squishlike.npydir import NpyDir
-    from squishlike.tiers import prune
+    from squishlike.tiers.prune import prune
 
     prune(NpyDir(store), keep=())
 
@@ -255,7 +255,7 @@ def test_links_out_of_the_store_are_never_followed_to_write(action, rel, built, 
     written, emptied or removed."""
     from support.crash_harness import tree_state, weights_digest
 
-    from squishlike.tiers import wait_for_builds
+    from squishlike.tiers.background import wait_for_builds
 
     store = shutil.copytree(with_share if built else base.npydir, tmp_path / "model", symlinks=True)
     outside = tmp_path / OUTSIDE

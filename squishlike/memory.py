@@ -33,9 +33,9 @@ from functools import cache
 
 import mlx.core as mx
 
-from ..environment import switch
-from ..errors import FormatError
-from ..io.files import open_regular
+from .environment import switch
+from .errors import FormatError
+from .io.files import open_regular
 
 HUGE_PAGE = 2 << 20
 MIN_ARENA = 64 << 20  # below this the page-fault cost is small enough not to bother

@@ -1,0 +1,38 @@
+"""Removing cache tiers (`squishlike prune`): each tier's declared files (base.Tier.paths), under the directory lock."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from ..io.atomic import remove_stale_temps
+from ..io.lock import DirectoryLock
+from ..npydir import NpyDir
+from . import ORDER
+from .order import ordered
+
+
+def prune(store: NpyDir, keep: Collection[str]) -> dict[str, int]:
+    """Remove every cache tier not named in `keep`, and temporaries a killed writer left, holding the directory
+    lock (a load building a tier finishes first). The store itself is never touched; a later load that needs a
+    removed tier rebuilds it. A process reading a tier's files keeps its open files (POSIX). Returns the bytes
+    freed by tier."""
+    unknown = set(keep) - {t.name for t in ORDER}
+    if unknown:
+        raise ValueError(f"unknown tier {', '.join(sorted(unknown))}; choose from {', '.join(t.name for t in ORDER)}")
+    freed = {}
+    with DirectoryLock(store.path):
+        remove_stale_temps(store.path)
+        for tier in ordered(ORDER):
+            if tier.name not in keep:
+                freed[tier.name] = sum(_bytes_under(store.path / rel) for rel in tier.paths)
+                tier.remove(store)
+    return freed
+
+
+def _bytes_under(path: Path) -> int:
+    if path.is_symlink() or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
