@@ -415,3 +415,27 @@ def test_bfloat16_input_is_raw_bits():
     bf = ref.from_float32(w, "bfloat16")
     assert_same(rq.quantize_int8(bf, src_dtype="bfloat16"), rq.quantize_int8(ref.to_float32(bf, "bfloat16")))
     assert_same(rq.quantize_int4(bf, src_dtype="bfloat16"), rq.quantize_int4(ref.to_float32(bf, "bfloat16")))
+
+
+def test_the_extension_is_typed_by_its_stub_and_reached_only_through_quant_and_checksum():
+    """squishlike/rust_quant.pyi names exactly what the built extension has; only quant/ and io/checksum.py import
+    the extension (the tests and tools may reach it directly)."""
+    import ast
+    from pathlib import Path
+
+    from squishlike import rust_quant
+
+    package = Path(rq.__file__).parent.parent
+    stub = ast.parse((package / "rust_quant.pyi").read_text())
+    typed = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    typed |= {n.target.id for n in stub.body if isinstance(n, ast.AnnAssign)}
+    public = {name for name in dir(rust_quant) if not name.startswith("_") or name == "__version__"}
+    assert typed - {"SchemeConstants"} == public
+    importers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if "rust_quant" in module or any("rust_quant" in n for n in names):
+                importers.add(str(path.relative_to(package)))
+    assert importers == {"quant/__init__.py", "quant/schemes.py", "io/checksum.py"}
