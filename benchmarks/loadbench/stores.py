@@ -18,10 +18,10 @@ def _run_script(code: str) -> None:
 
 def prepare_store(source: Path, out: Path, fmt: str, with_finalized: bool) -> Path:
     """A compressed npy-dir (default cache policy) whose caches are built, plus the finalized tier if asked."""
-    from squishlike.npydir import NpyDir
+    from squishlike.npydir import NpyDir, is_npydir
     from squishlike.tiers import tier_status
 
-    ready = NpyDir.is_npydir(out) and str(NpyDir(out).manifest.source.path) == str(source.absolute())
+    ready = is_npydir(out) and str(NpyDir(out).manifest.source.path) == str(source.absolute())
     if not ready:
         # Round to nearest: a load reads the same files whatever calibration chose their values, and calibrating
         # the benchmark's random-weight 1.5B model would take far longer than every figure it serves.

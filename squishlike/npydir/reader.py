@@ -43,14 +43,14 @@ def _all_finite(array: np.ndarray, dtype: np.dtype) -> bool:
 
 
 def is_npydir(path: str | Path, damaged: bool = False) -> bool:
-    """Whether `path` holds an npy-dir manifest (checked cheaply: its format field only). With `damaged`, also a
-    directory whose manifest file is there but unreadable: what verify checks as an npy-dir, and what the errors
-    of prune and of format detection name as one."""
+    """Whether `path` holds an npy-dir manifest (checked cheaply: its format field only). With `damaged`, whether
+    it has anything named like one, readable or not: what verify checks as an npy-dir, and what the errors of
+    prune and of format detection name as one."""
     manifest = Path(path) / MANIFEST
+    if damaged:
+        return os.path.lexists(manifest)
     if not manifest.is_file():
         return False
-    if damaged:
-        return True
     try:
         return read_json(manifest).get("format") == FORMAT
     except (FormatError, AttributeError):

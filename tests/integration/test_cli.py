@@ -13,7 +13,7 @@ from support.tiny_models import assert_same_weights
 import squishlike
 from squishlike.io.lock import DirectoryLock
 from squishlike.errors import TierNotReadyError, UnknownOptionError
-from squishlike.npydir import NpyDir
+from squishlike.npydir import NpyDir, is_npydir
 
 
 def cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
@@ -24,7 +24,7 @@ def cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 
 
 def looks_complete(path) -> bool:
-    return NpyDir.is_npydir(path)
+    return is_npydir(path)
 
 
 def test_help_explains_every_command():

@@ -557,7 +557,7 @@ class CrashLab:
     def compress_trial(self, *, env: dict | None = None, kill_after: float | None = None, force: bool = False,
                        send_signal: int = signal.SIGKILL, keep: bool = False) -> dict:
         import squishlike
-        from squishlike.npydir import NpyDir
+        from squishlike.npydir import is_npydir
         from squishlike.info import verify
 
         d = self._trial_dir()
@@ -587,7 +587,7 @@ class CrashLab:
                 problems.append("the good model at OUT was lost")
         elif force and tree_digest(out) == self.old_digest:
             rec["state"] = "old"
-        elif NpyDir.is_npydir(out):
+        elif is_npydir(out):
             rec["state"] = "new"
             problems += [f"verify: {p}" for p in verify(out)]
             if store_part(out) != self.store_digest:
@@ -597,7 +597,7 @@ class CrashLab:
             problems.append(f"OUT exists but is neither the old model nor a complete npy-dir: {sorted(tree_digest(out))}")
         if rec["state"] == "broken":
             return rec
-        problems += lying_sentinels(out) if NpyDir.is_npydir(out) else []
+        problems += lying_sentinels(out) if is_npydir(out) else []
         if r["signal"] is None and r["code"] == 130:  # Ctrl-C: the run must have cleaned up after itself
             litter = [p.name for p in d.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
             if litter:
