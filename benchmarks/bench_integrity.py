@@ -82,7 +82,7 @@ def main() -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="squishlike-bench-integrity-"))
     out = workdir / "store"
     if not (out / "manifest.json").exists():
-        squishlike.compress(args.model or default_model_path(), out, format="int4",
+        squishlike.compress(args.model or default_model_path(), out, scheme="int4",
                             tiers=("int4", "mlx", "finalized"))
     store = NpyDir(out)
     squishlike.load(out)  # builds every tier of the policy

@@ -52,7 +52,7 @@ def build(workdir: Path) -> tuple[dict[str, Path], dict[str, Path]]:
             convert(str(source), mlx_path=str(converted[name]), quantize=True, q_bits=4, q_group_size=64)
         stores[name] = workdir / "stores" / name
         if not stores[name].is_dir():
-            squishlike.compress(source, stores[name], format="int4")
+            squishlike.compress(source, stores[name], scheme="int4")
     return converted, stores
 
 

@@ -101,7 +101,7 @@ def prepare(workdir: Path, fmt: str) -> tuple[Path, Path]:
             index.write_text(json.dumps({"weight_map": dict.fromkeys(f.keys(), "model.safetensors")}))
     store = workdir / f"store-{fmt}"
     if not (store / "manifest.json").exists():
-        squishlike.compress(source, store, format=fmt, group_size=64, tiers=[], force=True)
+        squishlike.compress(source, store, scheme=fmt, group_size=64, tiers=[], force=True)
     return source, store
 
 
@@ -138,7 +138,7 @@ def slices(workdir: Path, repeats: int = 5) -> str:
     for fmt, group_size in (("int4", 64), ("int8", "row")):
         path = workdir / f"slices-4096-{fmt}"
         if not (path / "manifest.json").exists():
-            squishlike.compress(source, path, format=fmt, group_size=group_size, tiers=[], force=True)
+            squishlike.compress(source, path, scheme=fmt, group_size=group_size, tiers=[], force=True)
         store = NpyDir(path)
         names = [n for n, e in store.entries.items() if list(e.shape) == [4096, 4096]]
         for axis, label in ((1, "columns"), (0, "rows")):

@@ -43,7 +43,7 @@ def main() -> None:
         tmp = Path(tmp)
         tokenizer_dir = make_tokenizer(tmp / "tokenizer")
         source = make_hf_model(tmp / "tiny-llama", TINY_CONFIGS["llama"], tokenizer_dir)
-        store = squishlike.compress(source, tmp / "tiny-int8", format="int8")
+        store = squishlike.compress(source, tmp / "tiny-int8", scheme="int8")
         print(run_cli("inspect", str(store), cwd=tmp).splitlines()[0])
         run_cli("verify", str(store), cwd=tmp)
 

@@ -1,7 +1,7 @@
 """squishlike: store transformer weights compressed at rest, load them fast. A drop-in for `mlx_lm.load`.
 
     import squishlike
-    squishlike.compress("model-dir", "model-int4", format="int4")
+    squishlike.compress("model-dir", "model-int4", scheme="int4")
     model, tokenizer = squishlike.load("model-int4")     # same arguments and result as mlx_lm.load
 
 The public API is the names in `__all__`: `load`, `sharded_load` (under `mlx.launch`), `compress`,

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -71,7 +72,7 @@ def compress(
     src: str | Path,
     out: str | Path,
     *,
-    format: str = "int8",
+    scheme: str = "int8",
     group_size: int | str = 64,
     passthrough: tuple[str, ...] = (),
     quantize_embeddings: bool | None = None,
@@ -86,12 +87,13 @@ def compress(
     int3_max_ppl_increase: float = 0.08,
     calibration_samples: int = 512,
     calibration_max_tokens: int | None = None,
+    format: str | None = None,
 ) -> Path:
     """Compress `src` (HF dir, MLX dir, GGUF file, Ollama model, cached HF repo id) into the npy-dir `out`.
 
     Returns the absolute path of `out`. Options:
 
-    - format: the scheme of linear weights, "int8", "int4" or "int3".
+    - scheme: the quantization scheme of linear weights, "int8", "int4" or "int3".
     - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
       the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
@@ -119,14 +121,19 @@ def compress(
     - int3_max_ppl_increase: the gate's bound on the calibration-perplexity increase (0.08: +8 %).
     - calibration_samples: input rows per linear kept for the AWQ error search and the GPTQ Hessians.
     - calibration_max_tokens: use only the first N calibration tokens (None: all).
+    - format: the old name of `scheme`, still accepted with a DeprecationWarning ("format" names file formats).
 
     Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
     OutputExistsError when `out` holds something and `force` is not set, DirectoryBusyError when another process
     compresses into `out`, AccuracyGateError when an INT3 store fails its gate, and the errors of
     squishlike.errors for a source that cannot be read.
     """
+    if format is not None:
+        warnings.warn("compress(format=...) is now compress(scheme=...); format= will be removed",
+                      DeprecationWarning, stacklevel=3)  # the caller's line: checks_options wraps this function
+        scheme = format
     opts = CompressOptions(
-        format=format,
+        format=scheme,
         group_size=group_size,
         passthrough=passthrough,
         quantize_embeddings=quantize_embeddings,

@@ -39,7 +39,7 @@ def run_demo(workdir: Path, repeats: int = 3) -> list[dict]:
     for fmt in ("int8", "int4"):
         store = workdir / f"smollm2-{fmt}"
         tiers = ("mlx", "finalized", "int4") if fmt == "int4" else ("mlx", "finalized")
-        compress(gguf, store, format=fmt, tiers=tiers, force=True)
+        compress(gguf, store, scheme=fmt, tiers=tiers, force=True)
         timed(f"squishlike {fmt}: first load (cold, builds caches)", store, n=1)
         for tier in ("int4", "mlx", "finalized", "cold"):
             if fmt == "int8" and tier == "int4":

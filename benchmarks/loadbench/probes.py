@@ -103,7 +103,7 @@ def compress(src: str, out: str, fmt: str, clip: bool) -> dict:
 
     t_import = time.monotonic()
     rss_import = rss_now()
-    squishlike.compress(src, out, format=fmt, clip_search=clip, force=True)
+    squishlike.compress(src, out, scheme=fmt, clip_search=clip, force=True)
     t_ready = time.monotonic()
     return {"ready_at": t_ready, "import_s": t_import - t0, "compress_s": t_ready - t_import,
             "rss_start": rss_start, "rss_after_import": rss_import, "rss_peak": peak_rss_bytes()}

@@ -25,7 +25,7 @@ def prepare_store(source: Path, out: Path, fmt: str, with_finalized: bool) -> Pa
     if not ready:
         # Round to nearest: a load reads the same files whatever calibration chose their values, and calibrating
         # the benchmark's random-weight 1.5B model would take far longer than every figure it serves.
-        _run_script(f"import squishlike; squishlike.compress({str(source)!r}, {str(out)!r}, format={fmt!r}, "
+        _run_script(f"import squishlike; squishlike.compress({str(source)!r}, {str(out)!r}, scheme={fmt!r}, "
                     "awq=False, gptq=False, clip_search=False, force=True)")
     store = NpyDir(out)
     status = tier_status(store)

@@ -54,7 +54,8 @@ def test_public_api_names_and_signature(tmp_path):
         assert getattr(squishlike, name) is not None
     assert squishlike.errors.SquishError.__module__ == "squishlike.errors"
     options = inspect.signature(squishlike.compress).parameters
-    assert options["group_size"].default == 64 and options["format"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert options["group_size"].default == 64 and options["scheme"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert options["format"].default is None  # the old name of scheme, deprecated
     for name in options:
         if name not in ("src", "out"):
             assert f"- {name}:" in squishlike.compress.__doc__, f"option {name} is not documented"
@@ -63,6 +64,18 @@ def test_public_api_names_and_signature(tmp_path):
     assert isinstance(typo.value, UnknownOptionError)
     assert "did you mean 'format'?" in str(typo.value) and "group_size, passthrough" in str(typo.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_format_is_the_deprecated_name_of_scheme(tiny_llama, tmp_path):
+    """compress(format=...) still works, warns that the quantization scheme is now `scheme=`, and writes the store
+    scheme= writes."""
+    fast = {"awq": False, "gptq": False, "tiers": ()}
+    with pytest.warns(DeprecationWarning, match=r"compress\(scheme=\.\.\.\)") as caught:
+        old = squishlike.compress(tiny_llama, tmp_path / "old", format="int4", **fast)
+    assert caught[0].filename == __file__  # it points at the caller's line
+    new = squishlike.compress(tiny_llama, tmp_path / "new", scheme="int4", **fast)
+    assert NpyDir(old).manifest.scheme == NpyDir(new).manifest.scheme == "int4"
+    assert {n: e.files for n, e in NpyDir(old).entries.items()} == {n: e.files for n, e in NpyDir(new).entries.items()}
 
 
 def test_missing_source(tmp_path):
