@@ -27,7 +27,7 @@ log = logging.getLogger("squishlike")
 
 
 def cold_and_build(store: NpyDir, goals: list[Tier], lazy: bool = False, recheck: bool = True,
-                    verify: bool = False, background: bool = False) -> Loaded:
+                   verify: bool = False, background: bool = False) -> Loaded:
     """The cold path: build `goals` under the lock, and return the weights later loads get from the first of them
     (the tier they take): the dense buffers a dense tier was written from, or the quantized tier read back.
     `verify`: the store's files are checked against every hash recorded, not only the fast one. `background`:
