@@ -339,6 +339,20 @@ def load_parallel(open_lazy: Callable[[mx.Stream], dict[str, mx.array]], order: 
     return dict(zip(order, arrays))
 
 
+def load_each_parallel(open_one: Callable[[str, mx.Stream], mx.array], sizes: Mapping[str, int],
+                       lazy: bool = False) -> dict[str, mx.array]:
+    """Many files, one array each (`open_one(name, stream)`, e.g. `mx.load(path, stream=stream)`): each opened
+    once, on the stream assign_streams gives it by `sizes` (name -> bytes, in read order), and evaluated there,
+    spread over the CPU streams, inside a huge-page arena. `lazy=True` only opens them."""
+    if lazy:
+        return {name: open_one(name, mx.default_stream(mx.cpu)) for name in sizes}
+    streams, chosen = cpu_streams(), assign_streams(sizes)
+    arrays = {name: open_one(name, streams[chosen[name]]) for name in sizes}
+    with huge_page_arena(sum(sizes.values())):
+        mx.eval(list(arrays.values()))
+    return arrays
+
+
 def prefetch(paths: list) -> threading.Thread | None:
     """Files not (all) in the page cache: ask the kernel to read them ahead, from a background thread, so the disk
     streams at full speed while the loaders copy. Cached files: nothing to do (probing costs a few preads)."""

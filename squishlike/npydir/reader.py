@@ -211,6 +211,15 @@ class NpyDir:
         recorded = {**self.part_files(), **self.manifest.side_files}
         return {rel: record.to_json() for rel, record in recorded.items()}
 
+    def checked_part(self, name: str, suffix: str) -> Path:
+        """The path of one stored part whose header and size were checked against the dtype, shape and order its
+        role demands: for a reader that opens the file itself (mx.load)."""
+        dtype, shape = self.entry(name).part_spec(suffix)
+        path = self.part_path(name, suffix)
+        with open_regular(path, self.path) as f:
+            read_npy_header(f, path, dtype, shape)
+        return path
+
     def load_part(self, name: str, suffix: str) -> np.ndarray:
         """One stored part, memory-mapped, checked against the dtype, shape and order its role demands; scales and
         offsets checked finite."""

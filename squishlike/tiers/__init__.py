@@ -48,13 +48,16 @@ def first_builds(store: NpyDir) -> list[Tier]:
         return [t for t in ordered(ORDER) if t.wanted(store)]
     if not caches_by_default():
         return []
-    return [t for t in [target(store)] if t is not None]
+    return [t for t in [target(store)] if t is not None and not t.serves_from_store(store)]
 
 
 def choice(store: NpyDir) -> tuple[str, str]:
     """(the tier `load(store)` takes now, why), for `inspect`."""
     why = reason()
-    ready = next((t for t in ordered(ORDER) if t.ready(store)[0] is not None), None)
+    ready = next((t for t in ordered(ORDER) if t.ready(store)[0] is not None or t.serves_from_store(store)), None)
+    if ready is not None and ready.ready(store)[0] is None:
+        return ready.name, (f"the first tier in the order {_names()}, read straight from the store, which holds it in "
+                            f"MLX's packing: no copy is written ({why})")
     if ready is not None:
         return ready.name, f"the first ready tier in the order {_names()} ({why})"
     goals = first_builds(store)

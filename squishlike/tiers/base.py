@@ -48,6 +48,14 @@ class Tier(ABC):
         """Why this store can never feed this tier, whatever its policy; None when it can."""
         return None
 
+    def serves_from_store(self, store: NpyDir) -> bool:
+        """Whether loads on this device read this tier straight from the store (a quantized tier: quantized.py),
+        so it is never built by default."""
+        return False
+
+    def from_store(self, store: NpyDir, lazy: bool = False, verify: bool = False) -> Loaded:
+        raise NotImplementedError(f"tier {self.name} is always built, never read from the store")
+
     def ready(self, store: NpyDir) -> tuple[dict | None, str]:
         link = self.link_on_the_way(store)
         if link is not None:

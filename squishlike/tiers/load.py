@@ -64,6 +64,8 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
     chosen = BY_NAME[tier]
     payload, why = chosen.ready(store)
+    if payload is None and chosen.serves_from_store(store):
+        return chosen.from_store(store, lazy=lazy, verify=verify)
     if payload is not None:
         _say_if_slower(store, chosen)
         if chosen is COLD:  # it checks the store's files as it loads them
@@ -109,6 +111,8 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
     wrong size, unreadable header), name it there and return None, so the caller rebuilds it."""
     for tier in ordered(ORDER):
         payload, why = tier.ready(store)
+        if payload is None and tier.serves_from_store(store):
+            return tier.from_store(store, lazy=lazy, verify=verify)
         if payload is None:
             if damaged is not None and sentinel_says_damaged(why) and tier.wanted(store):
                 warnings.warn(f"{store.path / tier.sentinel}: tier {tier.name} is damaged ({why}); "

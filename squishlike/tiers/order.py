@@ -13,6 +13,10 @@ fastest first. A tier not named there goes last, in registry order; a new tier a
 
 CACHES says whether, by default, a first load writes the tier it would take at all: a cache is only worth its
 disk where loading it is measurably faster than the cold path reading the store itself (docs/design.md §4.4).
+
+FROM_STORE says whether the quantized tiers are read straight from the store's parts instead of from a built copy:
+the store holds them in MLX's own packing, so where they come first (a GPU) the store is the quantized model and no
+second copy of the weights is written.
 """
 
 from __future__ import annotations
@@ -37,11 +41,19 @@ WHY: dict[str, str] = {
 # about as fast as the dense mlx tier warm (whole process 3.39 s against 3.30 s) and faster evicted (3.52 s against
 # 4.95 s), while the tier took 2.6x the store's disk. On a GPU the quantized tier loads as QuantizedLinear.
 CACHES: dict[str, bool] = {"gpu": True, "cpu": False}
+# Reading the parts straight from the store loaded the 1.5B-shaped INT4 model on mlx[cpu] within noise of the built
+# int4 tier's one file (benchmarks/bench_from_store.py); on CPU the quantized tiers are only loaded when forced.
+FROM_STORE: dict[str, bool] = {"gpu": True, "cpu": False}
 
 
 def caches_by_default(device: str | None = None) -> bool:
     """Whether a first load under the default policy writes a cache tier on `device` (default: this one)."""
     return CACHES.get(device or device_kind(), True)
+
+
+def from_store_here(device: str | None = None) -> bool:
+    """Whether loads on `device` (default: this one) read the quantized tiers straight from the store."""
+    return FROM_STORE.get(device or device_kind(), False)
 
 
 def device_kind() -> str:

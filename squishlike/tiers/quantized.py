@@ -8,26 +8,36 @@ is a complete mlx_lm model (config.json with "quantization", tokenizer files): `
 
 The repack is a byte copy: the store's parts (memory-mapped) and the cold path's dense buffers are streamed into
 one safetensors file as they are, checksummed while written.
+
+Because it is only a byte copy, the store itself can serve the same model: `from_store` reads the parts straight
+into MLX arrays (the codes viewed as MLX's uint32 words), so a device that takes a quantized tier first (a GPU)
+needs no second copy of the weights on disk (order.FROM_STORE).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 
+import mlx.core as mx
 import numpy as np
 
 from ..config import CONFIG
 from ..errors import FormatError
 from ..formats.safetensors import Tensor, write_safetensors
+from ..dtypes import MX_DTYPES
 from ..io.atomic import copy_file, make_temp_dir, publish_dir, write_json
+from ..io.checksum import check_files
 from ..io.files import read_json
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from ..quant import mlx_words
+from ..memory import load_each_parallel, prefetch
 from .base import Loaded, Tier, mlx_names
 from .mlx import ALIGN, METADATA, load_safetensors
+from .order import from_store_here
 
 WEIGHTS = "model.safetensors"
 
@@ -65,6 +75,68 @@ class QuantizedTier(Tier):
             raise FormatError(root / CONFIG, "is not the config this tier was built with")
         weights = load_safetensors(root / WEIGHTS, self.tensors(store), store.path, lazy=lazy)
         return Loaded(weights, config, self.name)
+
+    def serves_from_store(self, store: NpyDir) -> bool:
+        """Whether loads on this device take the tier straight from the store (from_store) rather than from a built
+        copy: where the order says so (order.FROM_STORE) and the store's policy asks for the tier."""
+        return from_store_here() and self.wanted(store)
+
+    def from_store(self, store: NpyDir, lazy: bool = False, verify: bool = False) -> Loaded:
+        """The tier's weights read from the store's own parts, bit for bit what `load` of the built tier returns,
+        with nothing written: the codes are MLX's uint32 words already (a view), scales and biases are stored as
+        MLX keeps them; tensors of another scheme are dequantized by the cold path's kernels.
+
+        Checked as a built tier's file is at each load: each part must be a regular file inside the store whose
+        header declares the dtype and shape its manifest entry demands, and hold all of its data (a FormatError
+        names the first that does not). `verify` first checks every file against every hash the manifest records
+        (IntegrityError naming a damaged one), so the values are those compress wrote."""
+        if verify:
+            check_files(store.path, store.file_records(), every=True)
+        parts = self._parts(store)
+        if not lazy:
+            prefetch([path for path, *_ in parts.values()])
+        sizes = {key: math.prod(spec[1]) * spec[0].itemsize for key, (_, _, _, spec, _) in parts.items()}
+        try:
+            raw = load_each_parallel(lambda key, stream: mx.load(str(parts[key][0]), stream=stream), sizes, lazy=lazy)
+            wrong = any(tuple(raw[k].shape) != spec[1] or raw[k].dtype != _AT_REST[spec[0]]
+                        for k, (_, _, _, spec, _) in parts.items())
+        except (RuntimeError, ValueError):  # MLX read a header it could not parse, or a file shorter than its data
+            wrong = True
+        if wrong:  # the strict reader names the part and what is wrong with it
+            for _, name, suffix, _, _ in parts.values():
+                store.checked_part(name, suffix)
+            raise FormatError(store.path, "a stored part could not be read")
+        runtime = MX_DTYPES[store.runtime_dtype]
+        weights = {key: raw[key].view(dtype).reshape(shape) for key, (*_, (dtype, shape)) in parts.items()}
+        weights = {key: a if a.dtype in (mx.uint32, runtime) else a.astype(runtime) for key, a in weights.items()}
+        names = mlx_names(store)
+        for name, entry in store.entries.items():
+            if entry.scheme != self.scheme and entry.kind.quantized:
+                weights[names[name]] = mx.array(store.dequantize(name)).view(runtime)
+        return Loaded(weights, self.config(store), self.name)
+
+    def _parts(self, store: NpyDir) -> dict[str, tuple]:
+        """mlx_lm parameter name -> (the part's file, its canonical name and suffix, its NumPy dtype and shape at
+        rest, the MLX dtype and shape it is read as) for each part of the tier's scheme and each tensor stored
+        exactly."""
+        names, parts = mlx_names(store), {}
+        for name, entry in store.entries.items():
+            if not entry.kind.quantized:
+                read_as = {entry.kind.suffixes[0]: (MX_DTYPES[entry.stored_dtype], list(entry.shape))}
+                keys = (names[name],)
+            elif entry.scheme == self.scheme:
+                lead, cols = list(entry.shape[:-1]), entry.shape[-1]
+                scales = (MX_DTYPES[entry.scale_dtype], [*lead, cols // entry.group_size])
+                codes = (mx.uint32, [*lead, entry.kind.uint32_cols(cols)])
+                read_as = dict(zip(entry.kind.suffixes, (codes, scales, scales)))
+                prefix = names[name].removesuffix(".weight")
+                keys = (f"{prefix}.weight", f"{prefix}.scales", f"{prefix}.biases")
+            else:
+                continue
+            for key, (suffix, read) in zip(keys, read_as.items()):
+                stored, stored_shape = entry.part_spec(suffix)
+                parts[key] = (store.part_path(name, suffix), name, suffix, (stored, tuple(stored_shape)), read)
+        return parts
 
     def config(self, store: NpyDir) -> dict:
         """The tier's config.json: the store's, with the quantization its file holds."""
@@ -130,6 +202,11 @@ class QuantizedTier(Tier):
 
 def _canonical(value: dict) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+# The NumPy dtypes parts are stored in (codes; scales and offsets, bf16 as its uint16 bits) and MLX's names for them.
+_AT_REST = {np.dtype(np.uint8): mx.uint8, np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32,
+            np.dtype(np.float16): mx.float16, np.dtype(np.uint16): mx.uint16}
 
 
 def _part(store: NpyDir, name: str, suffix: str):

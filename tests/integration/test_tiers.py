@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from support.options import ROUND_TO_NEAREST
 from support.tiny_models import assert_same_weights, cosine, disk_bytes, logits
 
 import squishlike
@@ -144,23 +145,17 @@ def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path, monkeypat
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monkeypatch, caplog, device):
     monkeypatch.setattr(order, "device_kind", lambda: device)
-    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4")
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4")
     store_bytes = disk_bytes(out)
     with caplog.at_level(logging.INFO, logger="squishlike"):
         first, _ = squishlike.load(out)
-    wrote = [r for r in caplog.records if "wrote the cache tier" in r.getMessage()]
-    if device == "cpu":  # no cache is faster than the store itself on CPU: the first load writes nothing
-        assert wrote == [] and _ready(NpyDir(out)) == set()
-        assert disk_bytes(out) <= 1.1 * store_bytes
-        tier = "cold"
-    else:  # said once, at WARNING, with how much it added and how to remove it
-        tier = "int4"
-        assert len(wrote) == 1 and wrote[0].levelno == logging.WARNING
-        said = wrote[0].getMessage()
-        assert f"wrote the cache tier {tier} for" in said and " MB more on disk" in said and "squishlike prune" in said
-        assert _ready(NpyDir(out)) == {tier}  # the default policy: only the tier this device's loads take is built
+    # No cache is faster than the store itself on CPU, and on a GPU the store is the int4 model: nothing written.
+    assert [r for r in caplog.records if "wrote the cache tier" in r.getMessage()] == []
+    assert _ready(NpyDir(out)) == set() and disk_bytes(out) <= 1.1 * store_bytes
+    tier = "cold" if device == "cpu" else "int4"
     later, _ = squishlike.load(out)
     assert load_weights(NpyDir(out)).tier == tier
+    assert _ready(NpyDir(out)) == set()
     assert load_weights(NpyDir(out), tier="mlx").tier == "mlx"  # a forced tier of the policy is built on demand
     assert "mlx" in _ready(NpyDir(out))
 
@@ -170,6 +165,57 @@ def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monke
     assert classes(first) == classes(later)
     assert any(cls is nn.QuantizedLinear for _, cls in classes(first)) == (device == "gpu")
     assert mx.array_equal(logits(first, TOKENS), logits(later, TOKENS)).item()
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 64), ("int4", 32), ("int8", 64), ("int3", 32)])
+def test_gpu_reads_the_quantized_tier_from_the_store(tiny_llama, tmp_path, monkeypatch, fmt, group):
+    """Where the quantized tiers come first (a GPU), the store is the quantized model: its parts are read as MLX's
+    arrays, bit for bit what the built tier holds, and no second copy of the weights is written."""
+    out = squishlike.compress(tiny_llama, tmp_path / fmt, scheme=fmt, group_size=group, tiers=ALL, int3_gate=False,
+                              passthrough=("layers.1.mlp.*",), **ROUND_TO_NEAREST)
+    if fmt == "int3":
+        _open_int3_gate(out)
+    built = BY_NAME[fmt]
+    squishlike.load(out, tier=built.name)  # on CPU: a forced tier the policy names is built
+    store = NpyDir(out)
+    from_built = built.load(store)
+    monkeypatch.setattr(order, "device_kind", lambda: "gpu")
+    built.remove(store)
+    before = _files(out)
+    loaded = load_weights(store)
+    assert loaded.tier == built.name and _files(out) == before
+    assert set(loaded.weights) == set(from_built.weights)
+    for name, array in from_built.weights.items():
+        assert loaded.weights[name].dtype == array.dtype and mx.array_equal(loaded.weights[name], array).item(), name
+    model, _ = squishlike.load(out)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    assert mx.allclose(logits(model, TOKENS), logits(squishlike.load(out, tier="cold")[0], TOKENS), atol=0.05).item()
+    assert squishlike.load(out, tier=built.name)[0] is not None and _files(out) == before  # forced: from the store
+
+
+def test_gpu_store_read_refuses_damaged_parts(tiny_llama, tmp_path, monkeypatch):
+    """Read from the store, a part is checked as a built tier's file is: its size and its header against the
+    manifest at every load, and with verify every hash the manifest records."""
+    from squishlike.errors import FormatError, IntegrityError
+
+    monkeypatch.setattr(order, "device_kind", lambda: "gpu")
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", **ROUND_TO_NEAREST)
+    store = NpyDir(out)
+    entry = store.entries["layers.0.attention.q.weight"]
+    codes = store.part_path("layers.0.attention.q.weight", entry.kind.suffixes[0])
+    data = codes.read_bytes()
+    codes.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # a flipped byte: only a hash sees it
+    assert load_weights(NpyDir(out)).tier == "int4"
+    with pytest.raises(IntegrityError, match=codes.name):
+        load_weights(NpyDir(out), verify=True)
+    codes.write_bytes(data[:-16])  # truncated
+    with pytest.raises(FormatError, match="bytes; a "):
+        load_weights(NpyDir(out))
+    np_header_other_shape = data.replace(b"'shape': (", b"'shape': (1, ", 1)
+    codes.write_bytes(np_header_other_shape)
+    with pytest.raises(FormatError, match="its role needs"):
+        load_weights(NpyDir(out))
+    assert not any(p.name.startswith("squish_") for p in out.iterdir())
 
 
 def test_forced_tier_not_ready_is_a_clear_error(tiny_llama, tmp_path):
