@@ -78,8 +78,9 @@ class QuantizedTier(Tier):
 
     def serves_from_store(self, store: NpyDir) -> bool:
         """Whether loads on this device take the tier straight from the store (from_store) rather than from a built
-        copy: where the order says so (order.FROM_STORE) and the store's policy asks for the tier."""
-        return from_store_here() and self.wanted(store)
+        copy: where the order says so (order.FROM_STORE) and the store's policy asks for the tier without asking
+        for every tier it names to be built (policy build "all", compress --tiers)."""
+        return from_store_here() and self.wanted(store) and store.manifest.policy.build != "all"
 
     def from_store(self, store: NpyDir, lazy: bool = False, verify: bool = False) -> Loaded:
         """The tier's weights read from the store's own parts, bit for bit what `load` of the built tier returns,

@@ -171,11 +171,12 @@ def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monke
 def test_gpu_reads_the_quantized_tier_from_the_store(tiny_llama, tmp_path, monkeypatch, fmt, group):
     """Where the quantized tiers come first (a GPU), the store is the quantized model: its parts are read as MLX's
     arrays, bit for bit what the built tier holds, and no second copy of the weights is written."""
-    out = squishlike.compress(tiny_llama, tmp_path / fmt, scheme=fmt, group_size=group, tiers=ALL, int3_gate=False,
+    out = squishlike.compress(tiny_llama, tmp_path / fmt, scheme=fmt, group_size=group, int3_gate=False,
                               passthrough=("layers.1.mlp.*",), **ROUND_TO_NEAREST)
     if fmt == "int3":
         _open_int3_gate(out)
     built = BY_NAME[fmt]
+    assert NpyDir(out).manifest.policy.tiers == ("mlx", fmt)  # the default policy: mlx and the native tier
     squishlike.load(out, tier=built.name)  # on CPU: a forced tier the policy names is built
     store = NpyDir(out)
     from_built = built.load(store)
