@@ -385,6 +385,7 @@ def _finish_store(provider, tmp: Path, opts, runtime: str, entries: dict[str, Te
 
     # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
     eos_token_ids = read_json(tmp / "config.json").get("eos_token_id")
+    tokenizer.compact(tmp)  # before the facts, whose key hashes the file as the store holds it
     written += tokenizer.write_facts(tmp, {"trust_remote_code": False}, eos_token_ids)
     side_files = {p.name: FileRecord.from_json(file_record(p)) for p in written}
     schemes = {e.scheme for e in entries.values()}
