@@ -232,7 +232,8 @@ def test_facts_of_a_store_written_before_still_load(tokenizers, tmp_path, monkey
     vocab = model["vocab"]
     facts = json.loads((old / fast_tokenizer.FACTS_FILE).read_text())
     facts["vocab"] = sorted(vocab, key=vocab.get)
-    facts["merges"] = [vocab[t] for pair in model["merges"] for t in (pair.split(" ") if isinstance(pair, str) else pair)]
+    pairs = (pair.split(" ") if isinstance(pair, str) else pair for pair in model["merges"])
+    facts["merges"] = [vocab[token] for pair in pairs for token in pair]
     (old / fast_tokenizer.FACTS_FILE).write_text(json.dumps(facts))
     expected = load_tokenizer(old, ARGUMENTS, eos_token_ids=eos_token_ids)
     monkeypatch.setattr(fast_tokenizer, "load_tokenizer", None)  # any fallback to mlx_lm fails the load
