@@ -1,7 +1,7 @@
 """The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (8-bit and 4-bit,
-float32 and bfloat16 scales, and its calibrated GPTQ), against the unquantized reference, on the shipped evaluation
-prose; every row with its bytes at rest, and with --pareto the bytes-against-KL data (CSV, and a chart when
-matplotlib is installed).
+float32 and bfloat16 scales, and its calibrated methods: GPTQ, AWQ, dynamic quantization), against the
+unquantized reference, on the shipped evaluation prose; every row with its bytes at rest, and with --pareto the
+bytes-against-KL chart (an SVG, and the CSV of its points).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/quality.py --workdir /tmp/squishlike-quality --markdown benchmarks/QUALITY.md
@@ -12,7 +12,8 @@ Model: the embedded SmolLM2-135M-Instruct GGUF; reference: that GGUF as the prov
 float32). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with the same code as `squishlike eval`:
 perplexity over the first --max-tokens tokens of data/eval_prose.txt (1024-token windows), teacher-forced top-1
 agreement and mean KL(reference || model) on the same positions, greedy agreement over data/eval_prompts.json.
-Calibration (AWQ, mixed precision, the INT3 gate) uses data/calibration.txt only. npy-dirs are read through the
+Calibration (AWQ, GPTQ, mixed precision, the INT3 gate; mlx_lm's calibrated methods too, whose command lines
+download their own data sets) uses data/calibration.txt only. npy-dirs are read through the
 cold tier: every tier of one npy-dir holds the same weights (tests/integration/test_tiers.py, tests/integration/test_quality.py).
 
 Rows are built in --workdir and reused when already there (delete the directory to rebuild).
@@ -21,7 +22,9 @@ Rows are built in --workdir and reused when already there (delete the directory 
 from __future__ import annotations
 
 import argparse
+import html
 import json
+import math
 import os
 import shutil
 import sys
@@ -32,7 +35,8 @@ EXACT = {"quantize_embeddings": False}  # the embedding and the head kept exact 
 PLAIN = {"awq": False, "gptq": False, "clip_search": False}  # round to nearest, no calibration
 ROWS: list[tuple[str, str, dict]] = [
     # (label, kind, options) -- kind: reference | npydir (compress options) | mlx (export -q options) |
-    # mlx_lm (mlx_lm.convert -q options, from the GGUF exported to HF) | mlx_lm_gptq (mlx_lm.quant.gptq)
+    # mlx_lm (mlx_lm.convert -q options, from the GGUF exported to HF) | mlx_lm_METHOD (mlx_lm.quant's METHOD,
+    # see CALIBRATED)
     ("reference (GGUF Q4_1 as read, float32)", "reference", {}),
     ("mlx_lm 8-bit g64 (convert -q, float32 scales)", "mlx", {"q_bits": 8, "q_group_size": 64}),
     ("mlx_lm 8-bit g64 (convert -q --dtype bfloat16)", "mlx_lm", {"q_bits": 8, "q_group_size": 64, "dtype": "bfloat16"}),
@@ -50,6 +54,10 @@ ROWS: list[tuple[str, str, dict]] = [
     ("mlx_lm 4-bit g64 (convert -q, float32 scales)", "mlx", {"q_bits": 4, "q_group_size": 64}),
     ("mlx_lm 4-bit g64 (convert -q --dtype bfloat16)", "mlx_lm", {"q_bits": 4, "q_group_size": 64, "dtype": "bfloat16"}),
     ("mlx_lm 4-bit g64 GPTQ (mlx_lm.quant.gptq)", "mlx_lm_gptq", {"bits": 4, "group_size": 64}),
+    ("mlx_lm 4-bit g64 AWQ, 10-point grid (mlx_lm.quant.awq)", "mlx_lm_awq",
+     {"bits": 4, "group_size": 64, "n_grid": 10}),
+    ("mlx_lm dynamic 4/5-bit g64 at 5 bits a weight (mlx_lm.quant.dynamic_quant)", "mlx_lm_dynamic",
+     {"bits": 4, "group_size": 64, "high_bits": 5, "high_group_size": 64, "target_bpw": 5.0}),
     ("INT4 default (g64, AWQ+GPTQ+clip, embeddings INT4)", "npydir", {"format": "int4"}),
     ("INT4 g64 RTN", "npydir", {"format": "int4", **PLAIN}),
     ("INT4 g64 clip", "npydir", {"format": "int4", **PLAIN, "clip_search": True}),
@@ -105,27 +113,79 @@ def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tu
         if kind == "mlx_lm":
             mlx_lm.convert(str(hf), str(out), quantize=True, **options)
         else:
-            mlx_lm_gptq(hf, out, **options)
+            mlx_lm_calibrated(kind.removeprefix("mlx_lm_"), hf, out, **options)
     return out, time.perf_counter() - started
 
 
-def mlx_lm_gptq(hf: Path, out: Path, bits: int, group_size: int) -> None:
-    """mlx_lm's own GPTQ (mlx_lm.quant.gptq), every other quantizable weight (embedding) at the same bits and group
-    size so its bytes are its convert -q's, calibrated on squishlike's calibration text in 512-token sequences
-    (its command line downloads its own calibration set, which this machine cannot). Float32 passes, then
-    everything in bfloat16."""
+def mlx_lm_calibrated(method: str, hf: Path, out: Path, bits: int, group_size: int, **options) -> None:
+    """mlx_lm's own calibrated quantization (mlx_lm.quant: gptq, awq or dynamic), through the Python functions its
+    command lines call, which take the calibration tokens as an argument: squishlike's calibration text, since those
+    command lines download a calibration text, which this machine cannot. Weights it leaves unquantized otherwise
+    (the embedding) at the same bits and group size, so its bytes are convert -q's. Float32 passes, then everything
+    in bfloat16. (DWQ, mlx_lm.quant.dwq, also takes its data as an argument, but trains through quantized matmuls,
+    which on mlx[cpu] took over 4 minutes for one 256-token validation pass: not run here.)"""
     import mlx.core as mx
-    from mlx_lm.quant.gptq import gptq_quantize
     from mlx_lm.utils import load, save
 
     from squishlike.evaluation import load_text
 
     model, tokenizer, config = load(str(hf), lazy=True, return_config=True)
     tokens = tokenizer.encode(load_text("calibration"))
-    data = mx.array(tokens[: len(tokens) // 512 * 512]).reshape(-1, 512)
-    model, config["quantization"] = gptq_quantize(model, data, bits, group_size, bits, group_size)
+    model, config = CALIBRATED[method](model, config, tokens, bits, group_size, **options)
     model.set_dtype(mx.bfloat16)  # scales, biases and norms in bfloat16, as convert -q --dtype bfloat16 keeps them
     save(str(out), str(hf), model, tokenizer, config)
+
+
+def sequences(tokens: list[int], length: int):
+    """The tokens as rows of `length` (the remainder dropped): an mx.array [rows, length]."""
+    import mlx.core as mx
+
+    return mx.array(tokens[: len(tokens) // length * length]).reshape(-1, length)
+
+
+def _gptq(model, config: dict, tokens: list[int], bits: int, group_size: int):
+    from mlx_lm.quant.gptq import gptq_quantize
+
+    model, config["quantization"] = gptq_quantize(model, sequences(tokens, 512), bits, group_size, bits, group_size)
+    return model, config
+
+
+def _awq(model, config: dict, tokens: list[int], bits: int, group_size: int, n_grid: int):
+    """AWQ's scale search and clipping per block, as its command line runs them but on an `n_grid`-point grid (its
+    default 20 took over a minute a block on 2 cores: 37 minutes for SmolLM2's 30), the embedding at the same bits
+    and group size."""
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+
+    awq_quantize(model, sequences(tokens, 512), AWQ_MODEL_CONFIGS[config["model_type"]], group_size=group_size,
+                 bits=bits, embed_group_size=group_size, embed_bits=bits, n_grid=n_grid)
+    return model, update_config(model, config)
+
+
+def _dynamic(model, config: dict, tokens: list[int], bits: int, group_size: int, high_bits: int,
+             high_group_size: int, target_bpw: float):
+    """Dynamic quantization: each layer's sensitivity (the gradient of the KL to the unquantized model on the
+    calibration sequences), then the most sensitive at `high_bits` until `target_bpw`, as its command line does
+    (the row: its defaults; a mix at 4-bit g64's 4.5 bits would need a 4-bit group of 128, which SmolLM2's 576
+    columns do not split into)."""
+    import mlx.core as mx
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
+    from mlx_lm.utils import quantize_model
+
+    model.set_dtype(mx.bfloat16)  # bits per weight are counted in the dtype the model is saved in
+    data = sequences(tokens, 512)
+    sensitivities = dict(estimate_sensitivities(model, data, bits, group_size, high_bits, high_group_size))
+    threshold = estimate_threshold(model, sensitivities, target_bpw, bits, group_size, high_bits, high_group_size)
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        return {"bits": high_bits, "group_size": high_group_size} if sensitivities[path] > threshold else True
+
+    return quantize_model(model, config, group_size=group_size, bits=bits, quant_predicate=predicate)
+
+
+# mlx_lm.quant's methods: (model, config) -> (the quantized model, its config saying how).
+CALIBRATED = {"gptq": _gptq, "awq": _awq, "dynamic": _dynamic}
 
 
 def evaluate_rows(args) -> list[dict]:
@@ -230,28 +290,54 @@ def markdown(results: list[dict], args) -> str:
 
 
 def pareto(results: list[dict], csv_path: Path) -> Path:
-    """Bytes at rest against mean KL, every row: a CSV beside a PNG chart when matplotlib (the [bench] extra) is
-    installed. Returns what was written last."""
+    """Every file's bytes against mean KL, every row but the reference: the points as CSV, and beside it an SVG
+    chart (written directly: no plotting library). Returns the SVG's path."""
     rows = [r for r in results if r["kind"] != "reference"]
     csv_path.write_text("label,kind,weights_bytes,dir_bytes,kl_mean\n" + "".join(
         f"\"{r['label']}\",{r['kind']},{r['weights_bytes']},{r['dir_bytes']},{r['kl_mean']:.6f}\n" for r in rows))
-    try:
-        import matplotlib
+    svg = csv_path.with_suffix(".svg")
+    svg.write_text(svg_chart(rows))
+    return svg
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: the Pareto chart's data is {csv_path}", file=sys.stderr)
-        return csv_path
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        ax.scatter(r["weights_bytes"] / 1e6, r["kl_mean"], marker="s" if r["kind"] != "npydir" else "o")
-        ax.annotate(r["label"], (r["weights_bytes"] / 1e6, r["kl_mean"]), fontsize=6)
-    ax.set(xlabel="weights at rest (MB)", ylabel="mean KL to the reference (nats)", yscale="log",
-           title="bytes against KL (squishlike: circles; mlx_lm: squares)")
-    png = csv_path.with_suffix(".png")
-    fig.savefig(png, dpi=150, bbox_inches="tight")
-    return png
+
+def svg_chart(rows: list[dict], width: int = 900, height: int = 520, margin: int = 70) -> str:
+    """Bytes at rest (every file, MB) across, mean KL down the side on a log scale; squishlike's stores as circles,
+    mlx_lm's models as squares, each labelled."""
+    xs = [r["dir_bytes"] / 1e6 for r in rows]
+    ys = [math.log10(max(r["kl_mean"], 1e-9)) for r in rows]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = math.floor(min(ys)), math.ceil(max(ys))
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return (margin + (x - x0) / ((x1 - x0) or 1) * (width - 2 * margin),
+                height - margin - (y - y0) / ((y1 - y0) or 1) * (height - 2 * margin))
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="13">bytes at rest against mean KL to the '
+           f'reference (squishlike: circles; mlx_lm: squares)</text>']
+    for e in range(y0, y1 + 1):  # a gridline per decade of KL
+        _, y = at(x0, e)
+        out.append(f'<line x1="{margin}" y1="{y:.1f}" x2="{width - margin}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{margin - 6}" y="{y + 3:.1f}" text-anchor="end">1e{e}</text>')
+    for i in range(6):
+        value = x0 + (x1 - x0) * i / 5
+        x, _ = at(value, y0)
+        out.append(f'<line x1="{x:.1f}" y1="{height - margin}" x2="{x:.1f}" y2="{height - margin + 4}" '
+                   f'stroke="black"/><text x="{x:.1f}" y="{height - margin + 16}" text-anchor="middle">'
+                   f'{value:.0f}</text>')
+    out.append(f'<text x="{width / 2}" y="{height - 20}" text-anchor="middle">every file of the model (MB)</text>'
+               f'<text x="16" y="{height / 2}" transform="rotate(-90 16 {height / 2})" text-anchor="middle">'
+               f'mean KL (nats, log scale)</text>'
+               f'<rect x="{margin}" y="{margin}" width="{width - 2 * margin}" height="{height - 2 * margin}" '
+               f'fill="none" stroke="black"/>')
+    for r, value, kl in zip(rows, xs, ys):
+        x, y = at(value, kl)
+        colour = "#1f77b4" if r["kind"] == "npydir" else "#d62728"
+        mark = (f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>' if r["kind"] == "npydir" else
+                f'<rect x="{x - 4:.1f}" y="{y - 4:.1f}" width="8" height="8" fill="{colour}"/>')
+        out.append(f'{mark}<text x="{x + 7:.1f}" y="{y + 3:.1f}" fill="{colour}">{html.escape(r["label"])}</text>')
+    return "\n".join(out + ["</svg>"]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="only rows whose slug contains one of these")
     parser.add_argument("--json", type=Path, help="write the full results here")
     parser.add_argument("--markdown", type=Path, help="write the table here (else stdout only)")
-    parser.add_argument("--pareto", type=Path, help="write bytes against KL here (CSV; and a PNG with matplotlib)")
+    parser.add_argument("--pareto", type=Path, help="write bytes against KL here (CSV, and an SVG chart beside it)")
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
     args = parser.parse_args(argv)
 

@@ -383,6 +383,7 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
 
     # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
     eos_token_ids = read_json(writer.path / "config.json").get("eos_token_id")
+    tokenizer.compact(writer.path)  # before the facts, whose key hashes the file as the store holds it
     writer.add_side_files(written + tokenizer.write_facts(writer.path, {"trust_remote_code": False}, eos_token_ids))
     schemes = {e.scheme for e in writer.tensors.values()}
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[t for s, t in QUANTIZED_TIERS.items() if s in schemes])

@@ -5,14 +5,16 @@ Python objects, and TokenizerWrapper scans the whole vocabulary (get_vocab, conv
 detokenizer's token map and the thinking/tool markers.
 
 `write_facts` (run when a store is compressed) takes mlx_lm's own path and works out what it produced: the backend's
-configuration without its vocabulary, the vocabulary as a plain token list, the merges as id pairs, the attributes of
-the tokenizer, of its detokenizer and of the wrapper (eos ids, thinking and tool markers, tool parser). It rebuilds a tokenizer from those facts
-and keeps them (as plain JSON, FACTS_FILE beside the tokenizer) only if the rebuilt tokenizer is identical to
-mlx_lm's: the same backend serialization, special and added tokens, chat template, detokenizer state and token map,
-and wrapper state. `load` rebuilds from the facts, keyed by a hash of the tokenizer files, of the load's arguments
-and of the library versions, so a stale file is ignored. Without usable facts (a tokenizer the fast path cannot
-show identical, a source that is not a store) `load` takes mlx_lm's path, with a debug-level log saying why; a load
-never writes.
+configuration without its vocabulary and merges, the attributes of the tokenizer, of its detokenizer and of the
+wrapper (eos ids, thinking and tool markers, tool parser). It rebuilds a tokenizer from those facts and the
+vocabulary and merges of tokenizer.json itself (read once, as plain JSON: the facts never repeat them), and keeps
+the facts (as plain JSON, FACTS_FILE beside the tokenizer) only if the rebuilt tokenizer is identical to mlx_lm's:
+the same backend serialization, special and added tokens, chat template, detokenizer state and token map, and
+wrapper state. `load` rebuilds from the facts, keyed by a hash of the tokenizer files (tokenizer.json included),
+of the load's arguments and of the library versions, so a stale file is ignored. Without usable facts (a tokenizer
+the fast path cannot show identical, a source that is not a store) `load` takes mlx_lm's path, with a debug-level
+log saying why; a load never writes. A store written before the facts left the vocabulary out (which held it as a
+token list and the merges as id pairs) still loads from its facts.
 
 The facts are data, never code, whoever wrote the file: `build` reads them with a strict parser (`_parse`) that
 knows a fixed schema. The only objects a facts file can name are those of a closed table (OBJECTS: the streaming
@@ -28,6 +30,7 @@ import importlib
 import json
 import logging
 import pkgutil
+import re
 from pathlib import Path
 from types import FunctionType
 from typing import Any
@@ -44,9 +47,9 @@ from tokenizers import AddedToken, Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from .errors import FormatError
-from .io.atomic import write_json
+from .io.atomic import write_bytes, write_json
 from .io.checksum import file_checksum
-from .io.files import read_json, read_json_object
+from .io.files import read_bytes, read_json, read_json_object
 from .npydir import TOKENIZER_FACTS
 
 log = logging.getLogger(__name__)
@@ -70,8 +73,15 @@ DETOKENIZERS = {f"{c.__module__}:{c.__qualname__}": c
                 for c in (NaiveStreamingDetokenizer, SPMStreamingDetokenizer, BPEStreamingDetokenizer)}
 TOOL_PARSERS = {f"{mlx_lm.tool_parsers.__name__}.{m.name}:parse_tool_call"
                 for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
-FACTS_KEYS = ("skeleton", "vocab", "merges", "bpe_options", "added_tokens", "tokenizer", "detokenizer_class",
-              "detokenizer", "detokenizer_rebuilt", "wrapper")
+FACTS_KEYS = ("skeleton", "bpe_options", "added_tokens", "tokenizer", "detokenizer_class", "detokenizer",
+              "detokenizer_rebuilt", "wrapper")
+# What facts files written before they left the vocabulary to tokenizer.json also hold (the token list, the merges
+# as pairs of its ids).
+OLD_FACTS_KEYS = ("vocab", "merges")
+
+
+# In JSON text: a string (its escapes kept) or a run of the whitespace JSON allows between tokens.
+_STRING_OR_SPACE = re.compile(r'("[^"\\]*(?:\\.[^"\\]*)*")|[ \t\n\r]+')
 
 
 class NotIdentical(Exception):
@@ -140,6 +150,20 @@ def write_facts(
     return [directory / FACTS_FILE]
 
 
+def compact(directory: Path) -> None:
+    """Rewrite `directory`'s tokenizer.json without the whitespace between its JSON tokens, every token as written
+    (so any JSON reader reads the very same document): tokenizers and transformers save it indented, which for
+    SmolLM2 is 3.52 MB against 1.56 MB. A file that is absent or not UTF-8 JSON is left as it is, for mlx_lm's load
+    to say what is wrong."""
+    path = Path(directory) / "tokenizer.json"
+    try:
+        text = read_bytes(path, directory).decode()
+        json.loads(text)
+    except (FormatError, ValueError):  # absent, not a regular file, not UTF-8, not JSON
+        return
+    write_bytes(path, _STRING_OR_SPACE.sub(r"\1", text).encode())
+
+
 def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eos_token_ids: Any) -> str:
     """A hash of everything mlx_lm's result depends on: the tokenizer files, the load's arguments, the versions."""
     h = hashlib.sha256()
@@ -165,14 +189,8 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     naming FACTS_FILE when they break its schema (see _parse)."""
     facts = _parse(directory / FACTS_FILE, facts)
     backend = Tokenizer.from_str(facts["skeleton"])
-    tokens = facts["vocab"]
-    ids = facts["merges"]
-    token = tokens.__getitem__
-    backend.model = models.BPE(
-        vocab=dict(zip(tokens, range(len(tokens)))),
-        merges=list(zip(map(token, ids[::2]), map(token, ids[1::2]))),
-        **facts["bpe_options"],
-    )
+    vocab, merges = _vocabulary(directory, facts)
+    backend.model = models.BPE(vocab=vocab, merges=merges, **facts["bpe_options"])
     # Added after the model, so they take their ids beyond its vocabulary, in their recorded order.
     for fields in facts["added_tokens"]:
         added = AddedToken(**{k: v for k, v in fields.items() if k != "id"})
@@ -194,12 +212,26 @@ def build(directory: Path, facts: dict) -> TokenizerWrapper:
     if "_tokenizer" in facts["detokenizer_rebuilt"]:
         detokenizer._tokenizer = tokenizer
     if "tokenmap" in facts["detokenizer_rebuilt"]:
-        detokenizer.tokenmap = _token_map(tokenizer, tokens, as_bytes=detokenizer_class is SPMStreamingDetokenizer)
+        detokenizer.tokenmap = _token_map(tokenizer, vocab, as_bytes=detokenizer_class is SPMStreamingDetokenizer)
     detokenizer.reset()
 
     wrapper = TokenizerWrapper.__new__(TokenizerWrapper)
     wrapper.__dict__.update(facts["wrapper"], _tokenizer=tokenizer, _detokenizer=detokenizer)
     return wrapper
+
+
+def _vocabulary(directory: Path, facts: dict) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The BPE's vocabulary (token -> id) and merges (pairs of tokens): those of tokenizer.json, whose hash the
+    facts' key holds, or, in a store written before the facts left them out, the facts' own."""
+    if "vocab" in facts:
+        tokens, ids = facts["vocab"], facts["merges"]
+        token = tokens.__getitem__
+        return dict(zip(tokens, range(len(tokens)))), list(zip(map(token, ids[::2]), map(token, ids[1::2])))
+    # tokenizer.json is data either way: a file whose model breaks this shape makes BPE raise, and load then takes
+    # mlx_lm's path, which reads the same file.
+    model = read_json_object(directory / "tokenizer.json", directory)["model"]
+    merges = [tuple(pair.split(" ")) if isinstance(pair, str) else tuple(pair) for pair in model["merges"]]
+    return model["vocab"], merges
 
 
 def facts_problem(directory: Path) -> str | None:
@@ -221,12 +253,14 @@ def _parse(path: Path, facts: Any) -> dict[str, Any]:
             raise FormatError(path, f"{problem}; not a facts file squishlike wrote")
 
     # "key" (which files and arguments the facts are for) is the file's, checked by _read_facts before this.
-    check(isinstance(facts, dict) and set(facts) - {"key"} == set(FACTS_KEYS), f"holds other keys than {FACTS_KEYS}")
-    tokens, ids = facts["vocab"], facts["merges"]
+    keys = set(facts) - {"key"} if isinstance(facts, dict) else set()
+    check(keys in (set(FACTS_KEYS), {*FACTS_KEYS, *OLD_FACTS_KEYS}), f"holds other keys than {FACTS_KEYS}")
     check(isinstance(facts["skeleton"], str), "skeleton is not a string")
-    check(isinstance(tokens, list) and all(isinstance(t, str) for t in tokens), "vocab is not a list of strings")
-    check(isinstance(ids, list) and len(ids) % 2 == 0
-          and all(type(i) is int and 0 <= i < len(tokens) for i in ids), "merges are not pairs of vocabulary ids")
+    if "vocab" in facts:  # a store written before the facts left the vocabulary to tokenizer.json
+        tokens, ids = facts["vocab"], facts["merges"]
+        check(isinstance(tokens, list) and all(isinstance(t, str) for t in tokens), "vocab is not a list of strings")
+        check(isinstance(ids, list) and len(ids) % 2 == 0
+              and all(type(i) is int and 0 <= i < len(tokens) for i in ids), "merges are not pairs of vocabulary ids")
     options = facts["bpe_options"]
     check(isinstance(options, dict) and set(options) <= set(_BPE_OPTIONS)
           and all(_is_scalar(v) for v in options.values()), f"bpe_options are not among {_BPE_OPTIONS}")
@@ -298,18 +332,11 @@ def work_out_facts(directory: Path, wrapper: TokenizerWrapper, tokenizer_config_
     model = state["model"]
     if model.get("type") != "BPE":
         raise NotIdentical(f"the tokenizer model is {model.get('type')}, not BPE")
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
-    if [model["vocab"][t] for t in tokens] != list(range(len(tokens))):
-        raise NotIdentical("the vocabulary ids are not 0..n-1")
-    index = model["vocab"]
-    merges = [index[t] for pair in model["merges"] for t in (pair.split(" ") if isinstance(pair, str) else pair)]
     skeleton = {**state, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []}
 
     detokenizer = wrapper._detokenizer
     facts = {
         "skeleton": json.dumps(skeleton, ensure_ascii=False),
-        "vocab": tokens,
-        "merges": merges,
         "bpe_options": {name: model[name] for name in _BPE_OPTIONS if model.get(name) is not None},
         "added_tokens": sorted(state["added_tokens"], key=lambda t: t["id"]),
         "tokenizer": _encode(_without_location(_kept(tokenizer), tokenizer_config_extra)),
@@ -360,10 +387,12 @@ def _comparable(obj: object) -> dict[str, str]:
     return {k: repr(v) for k, v in _kept(obj).items()}
 
 
-def _token_map(tokenizer: PreTrainedTokenizerFast, vocab: list[str], as_bytes: bool) -> list:
+def _token_map(tokenizer: PreTrainedTokenizerFast, vocab: dict[str, int], as_bytes: bool) -> list:
     """The detokenizers' map from id to token (as text, or as the bytes SentencePiece byte tokens stand for),
-    built from the vocabulary list instead of convert_ids_to_tokens over every id."""
-    tokens = vocab + [None] * (len(tokenizer) - len(vocab))
+    built from the vocabulary instead of convert_ids_to_tokens over every id."""
+    tokens: list = [None] * len(tokenizer)
+    for token, i in vocab.items():
+        tokens[i] = token
     for i, token in tokenizer.backend_tokenizer.get_added_tokens_decoder().items():
         tokens[i] = token.content
     if not as_bytes:

@@ -217,6 +217,45 @@ def test_an_auto_map_is_refused_only_when_its_class_needs_code(tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
+def test_facts_leave_the_vocabulary_to_tokenizer_json(tokenizers):
+    """The facts hold what mlx_lm's path works out, not what tokenizer.json already holds (their key pins it)."""
+    for directory, _ in tokenizers.values():
+        facts = json.loads((directory / fast_tokenizer.FACTS_FILE).read_text())
+        assert "vocab" not in facts and "merges" not in facts
+
+
+def test_facts_of_a_store_written_before_still_load(tokenizers, tmp_path, monkeypatch):
+    """Facts as stores written before held them: the vocabulary as a token list, the merges as pairs of its ids."""
+    directory, eos_token_ids = tokenizers["smollm2"]
+    old = shutil.copytree(directory, tmp_path / "old")
+    model = json.loads((old / "tokenizer.json").read_text())["model"]
+    vocab = model["vocab"]
+    facts = json.loads((old / fast_tokenizer.FACTS_FILE).read_text())
+    facts["vocab"] = sorted(vocab, key=vocab.get)
+    pairs = (pair.split(" ") if isinstance(pair, str) else pair for pair in model["merges"])
+    facts["merges"] = [vocab[token] for pair in pairs for token in pair]
+    (old / fast_tokenizer.FACTS_FILE).write_text(json.dumps(facts))
+    expected = load_tokenizer(old, ARGUMENTS, eos_token_ids=eos_token_ids)
+    monkeypatch.setattr(fast_tokenizer, "load_tokenizer", None)  # any fallback to mlx_lm fails the load
+    fast_tokenizer.check_identical(expected, fast_tokenizer.load(old, ARGUMENTS, eos_token_ids))
+
+
+@pytest.mark.parametrize("name", ["qwen2-151k", "smollm2"])
+def test_compact_tokenizer_json_is_the_same_document(tokenizers, tmp_path, name):
+    """What compress does to the store's tokenizer.json: only the whitespace between JSON tokens goes (byte-level
+    vocabularies hold the quotes and backslashes a careless minifier would break)."""
+    directory = shutil.copytree(tokenizers[name][0], tmp_path / name)
+    before = (directory / "tokenizer.json").read_bytes()
+    assert b'\\"' in before and b"\\\\" in before  # escaped quotes and backslashes inside strings
+    fast_tokenizer.compact(directory)
+    after = (directory / "tokenizer.json").read_bytes()
+    assert json.loads(after) == json.loads(before)
+    assert len(after) < 0.6 * len(before)
+    (directory / "tokenizer.json").write_text("{not json")  # left for mlx_lm's load to say what is wrong
+    fast_tokenizer.compact(directory)
+    assert (directory / "tokenizer.json").read_text() == "{not json"
+
+
 def test_damaged_facts_fall_back(tokenizers, tmp_path):
     directory = shutil.copytree(tokenizers["tiny"][0], tmp_path / "tiny")
     facts_file = directory / fast_tokenizer.FACTS_FILE
@@ -257,6 +296,9 @@ def test_facts_that_name_code_or_files_are_refused(tokenizers, tmp_path):
             [k, {"dict": [*v["dict"], ["tokenizer_file", str(outside)]]} if k == "init_kwargs" else v]
             for k, v in facts["tokenizer"]["dict"]]}},
         "an unknown key": {**facts, "extra": 1},
+        "an old store's vocabulary without its merges": {**facts, "vocab": ["a"]},
+        "an old store's vocabulary that is not tokens": {**facts, "vocab": [{"object": "os:system"}], "merges": []},
+        "an old store's merges beyond its vocabulary": {**facts, "vocab": ["a", "b"], "merges": [0, 2]},
         "an unknown tag": {**facts, "detokenizer": {"pickle": "80"}},
     }
     for what, content in hostile.items():
