@@ -59,6 +59,12 @@ class CompressOptions:
                 setattr(self, method, self.format in CALIBRATED_BY_DEFAULT)
 
     @property
+    def calibrates(self) -> bool:
+        """Whether compress runs the source model in float32: calibration (AWQ, GPTQ, mixed precision) or the INT3
+        accuracy gate."""
+        return bool(self.awq or self.gptq or self.mixed_precision > 0 or (self.format == "int3" and self.int3_gate))
+
+    @property
     def scheme(self) -> str:
         """The scheme linear weights are stored with: INT8 is group-wise ("int8g") unless asked per row."""
         if self.format == "int8":

@@ -197,7 +197,7 @@ def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: 
 def _calibration_plan(provider: WeightProvider, opts: CompressOptions):
     """The calibration plan when the options ask for one (AWQ, mixed precision, the INT3 gate), else None;
     calibration runs the source model, so it is imported only then."""
-    if not (opts.awq or opts.gptq or opts.mixed_precision > 0 or (opts.format == "int3" and opts.int3_gate)):
+    if not opts.calibrates:
         return None
     from .calibration import prepare
 

@@ -119,7 +119,7 @@ pub fn mlx_grid<S: Float>(lo: f32, hi: f32, levels: f32) -> Grid {
 /// The code of w, q = clip(rint((w - z) / s), 0, levels), as an f32 (an integer; kept in f32 so that loops over
 /// it vectorise). A zero scale (a constant group) gives q = 0.
 #[inline(always)]
-fn code(w: f32, s: f32, z: f32, levels: f32) -> f32 {
+pub fn code(w: f32, s: f32, z: f32, levels: f32) -> f32 {
     if s == 0.0 {
         0.0
     } else {
@@ -150,6 +150,43 @@ fn sq_error<S: Float>(w: &[f32], grid: Grid, levels: f32) -> f64 {
     lanes.iter().fold(0.0, |sum, &lane| sum + lane)
 }
 
+/// The grid a group of values is stored on: its [min, max] grid, or with `clip_search` the narrowed one whose
+/// dequantized values are closest (squared error). Fails on NaN/inf or when a scale or bias does not fit S.
+#[inline(always)]
+pub fn group_grid<K: Packing, S: Float>(w: &[f32], clip_search: bool) -> Result<Grid, String> {
+    let levels = K::LEVELS as f32;
+    let (mut lo, mut hi, mut finite) = (f32::INFINITY, f32::NEG_INFINITY, true);
+    for &x in w {
+        finite &= x.is_finite();
+        lo = lo.min(x);
+        hi = hi.max(x);
+    }
+    if !finite {
+        return Err("w contains NaN or inf; refusing to quantize it".into());
+    }
+    // min/max may return either zero when a group holds both -0.0 and +0.0; adding +0.0 makes it +0.0.
+    (lo, hi) = (lo + 0.0, hi + 0.0);
+    let mut grid = K::grid::<S>(lo, hi);
+    if !(grid.stored.0.is_finite() && grid.stored.1.is_finite()) {
+        let (scheme, dtype) = (K::NAME, S::NAME);
+        return Err(format!("{scheme}: a group's scale or bias overflows {dtype}; use a wider scale_dtype"));
+    }
+    if clip_search {
+        let mut best = sq_error::<S>(w, grid, levels);
+        let span = hi - lo;
+        for k in 1..CLIP_STEPS {
+            let t = clip_shrink(k);
+            let grid_k = K::grid::<S>(lo + t * span, hi - t * span);
+            let err = sq_error::<S>(w, grid_k, levels);
+            if err < best {
+                // strict: on a tie the wider range (tried first) stays
+                (best, grid) = (err, grid_k);
+            }
+        }
+    }
+    Ok(grid)
+}
+
 multiversion! {
     /// Quantizes one row: codes into `q` (one byte per element) and one scale and bias per group.
     fn quantize_row<K: Packing, S: Float>(
@@ -163,35 +200,7 @@ multiversion! {
         let levels = K::LEVELS as f32;
         let groups = w.chunks_exact(group).zip(q.chunks_exact_mut(group));
         for ((w, q), (scale, bias)) in groups.zip(scales.iter_mut().zip(biases.iter_mut())) {
-            let (mut lo, mut hi, mut finite) = (f32::INFINITY, f32::NEG_INFINITY, true);
-            for &x in w {
-                finite &= x.is_finite();
-                lo = lo.min(x);
-                hi = hi.max(x);
-            }
-            if !finite {
-                return Err("w contains NaN or inf; refusing to quantize it".into());
-            }
-            // min/max may return either zero when a group holds both -0.0 and +0.0; adding +0.0 makes it +0.0.
-            (lo, hi) = (lo + 0.0, hi + 0.0);
-            let mut grid = K::grid::<S>(lo, hi);
-            if !(grid.stored.0.is_finite() && grid.stored.1.is_finite()) {
-                let (scheme, dtype) = (K::NAME, S::NAME);
-                return Err(format!("{scheme}: a group's scale or bias overflows {dtype}; use a wider scale_dtype"));
-            }
-            if clip_search {
-                let mut best = sq_error::<S>(w, grid, levels);
-                let span = hi - lo;
-                for k in 1..CLIP_STEPS {
-                    let t = clip_shrink(k);
-                    let grid_k = K::grid::<S>(lo + t * span, hi - t * span);
-                    let err = sq_error::<S>(w, grid_k, levels);
-                    if err < best {
-                        // strict: on a tie the wider range (tried first) stays
-                        (best, grid) = (err, grid_k);
-                    }
-                }
-            }
+            let grid = group_grid::<K, S>(w, clip_search)?;
             let (s, z) = grid.pick;
             for (q, &x) in q.iter_mut().zip(w) {
                 *q = code(x, s, z, levels) as u8;

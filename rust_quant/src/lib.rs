@@ -14,6 +14,7 @@ use pyo3::types::PyDict;
 
 pub mod affine;
 pub mod dtype;
+pub mod gptq;
 pub mod hash;
 pub mod int3;
 pub mod int4;
@@ -337,6 +338,67 @@ affine_bindings!(
     "`out` (its 2-D shape gives the columns) = the INT3 codes dequantized exactly as mx.dequantize does."
 );
 
+/// GPTQ's column loop over columns [start, start + group_size) of `w` (float32 [rows, cols], rewritten in place to
+/// the scaled rounding errors), with `u` (float32 [group_size, group_size]) the group's block of the upper Cholesky
+/// factor of the inverse Hessian: the group's codes into `q` (uint8 [rows, cols], one per byte) and its grid into
+/// `scales` / `biases` (scale_dtype, [rows, cols / group_size]) for scheme int4, int3 or int8g (rust_quant/src/gptq.rs).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gptq_group(
+    py: Python<'_>,
+    scheme: &str,
+    w: &Bound<'_, PyAny>,
+    start: i64,
+    group_size: i64,
+    u: &Bound<'_, PyAny>,
+    scale_dtype: &str,
+    clip_search: bool,
+    q: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    match scheme {
+        "int4" => gptq_affine::<Int4>(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases),
+        "int3" => gptq_affine::<Int3>(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases),
+        "int8g" => gptq_affine::<Int8g>(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases),
+        _ => Err(value_error(format!("scheme {scheme:?} has no GPTQ; use int4, int3 or int8g"))),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gptq_affine<K: Packing>(
+    py: Python<'_>,
+    w: &Bound<'_, PyAny>,
+    start: i64,
+    group_size: i64,
+    u: &Bound<'_, PyAny>,
+    scale_dtype: &str,
+    clip_search: bool,
+    q: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let group = positive_group(group_size)?;
+    let start = usize::try_from(start).map_err(|_| value_error(format!("start {start} must not be negative")))?;
+    let mut w = output::<f32>("w", w)?;
+    let (rows, cols) = rows_cols("w", w.shape())?;
+    K::check_group(cols, group).map_err(value_error)?;
+    let u = input::<f32>("u", u)?;
+    expect("u", u.shape(), group, group)?;
+    let mut q = output::<u8>("q", q)?;
+    expect("q", q.shape(), rows, cols)?;
+    with_dtype!(scale_dtype, S => {
+        let mut scales = output::<<S as Stored>::Np>("scales", scales)?;
+        expect("scales", scales.shape(), rows, cols / group)?;
+        let mut biases = output::<<S as Stored>::Np>("biases", biases)?;
+        expect("biases", biases.shape(), rows, cols / group)?;
+        let (w, u, q) = (slice_mut(&mut w)?, slice(&u)?, slice_mut(&mut q)?);
+        let (scales, biases) = (S::view_mut(slice_mut(&mut scales)?), S::view_mut(slice_mut(&mut biases)?));
+        py.allow_threads(|| gptq::gptq_group::<K, S>(w, cols, start, group, u, clip_search, q, scales, biases))
+            .map_err(value_error)
+    })
+}
+
 /// uint8 codes 0..15 -> `packed` uint8, low nibble = even column.
 #[pyfunction]
 fn pack_int4(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -449,6 +511,7 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize_int3, m)?)?;
     m.add_function(wrap_pyfunction!(pack_int3, m)?)?;
     m.add_function(wrap_pyfunction!(unpack_int3, m)?)?;
+    m.add_function(wrap_pyfunction!(gptq_group, m)?)?;
     m.add_class::<PyXxh3>()?;
     Ok(())
 }

@@ -39,8 +39,9 @@ the evaluation prose) and turns what it measures into a `Plan` that `compress` a
   only when it passed.
 
 All forward passes are float32 (`evaluation.prepare_for_eval`); on Linux CPU preload OpenBLAS for speed (the CLI
-does, see `openblas.reexec_with_openblas`). Cost on SmolLM2-135M, 2 shared cores: calibration pass ~35 s,
-AWQ search ~30 s, Fisher pass ~1-2 min, gate ~35 s.
+does, see `openblas.reexec_with_openblas`); their matrix products and GPTQ's factorisations run in mlx
+(`products`), GPTQ's column loop in Rust. Cost on SmolLM2-135M, 2 busy cores: calibration pass 25-65 s, AWQ search
+~80 s, GPTQ ~30 s, Fisher pass ~1-2 min, gate ~35 s (benchmarks/README.md, "Compress time").
 """
 
 from .awq import Transform, add_scales, group_scales, scale_groups, search_awq

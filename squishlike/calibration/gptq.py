@@ -9,49 +9,66 @@ for the group's columns as they stand when the group is reached. The result is t
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from .. import quant
-from ..quant.reference import to_float32
-from ..quant.schemes import SCHEMES
+from ..quant.reference import storage_dtype
+from .products import matmul
 from .quantizer import Quantizer
 from .stats import ScaleGroup
 
 DAMPING = 0.01  # of the Hessian's mean diagonal, added to its diagonal (the paper's and mlx_lm's value)
+BATCH = 256  # columns whose errors are spread onto the later columns in one product (the paper's lazy batch: 128)
 _PACK = {"int4": quant.pack_int4, "int3": quant.pack_int3, "int8g": lambda q: q}
 
 
-def gptq(w: np.ndarray, x: np.ndarray, qz: Quantizer) -> tuple[np.ndarray, ...]:
-    """`w` (float32 [rows, cols]) quantized with `qz`'s grouped scheme so that `x @ w.T` (x: float32 [n, cols],
-    calibration inputs) changes least; the scheme's parts (codes, scales, offsets)."""
+def inverse_hessian_factor(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(u, dead) for calibration inputs `x` (float32 [n, cols]): u (float32 [cols, cols]) the upper Cholesky factor
+    of H^-1, H = x^T x damped, whose row k says how column k's rounding error spreads onto the later columns; dead
+    (bool [cols]) the inputs that are always zero, whose weights do not matter.
+
+    With mlx's LAPACK on the CPU (NumPy's, on two busy cores, was 40x slower) and in float32, as mlx_lm's GPTQ.
+    One Cholesky factorisation and one triangular inverse, not an inverse and a factorisation: the lower factor L
+    of H with its rows and columns reversed (J H J = L L^T) gives H = (J L J)(J L J)^T, so u = (J L J)^-1 = J L^-1 J.
+    """
+    with mx.stream(mx.cpu):
+        xs = mx.array(x)
+        h = xs.T @ xs
+        dead = mx.diag(h) == 0
+        h = h + mx.diag(dead.astype(mx.float32))  # a dead input's column: unconstrained, and H stays invertible
+        h = h + DAMPING * mx.mean(mx.diag(h)) * mx.eye(h.shape[0])
+        lower = mx.linalg.cholesky(h[::-1, ::-1])
+        u = mx.linalg.tri_inv(lower, upper=False)[::-1, ::-1]
+        return np.array(u), np.array(dead)
+
+
+def gptq(w: np.ndarray, qz: Quantizer, factor: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """`w` (float32 [rows, cols]) quantized with `qz`'s grouped scheme so that `x @ w.T` changes least on the
+    calibration inputs x whose `inverse_hessian_factor` is `factor`; the scheme's parts (codes, scales, offsets).
+
+    Group by group: the Rust kernel rounds the group's columns in turn, each error spread onto the group's later
+    columns (`quant.gptq_group`, rows in parallel), and a matrix product spreads its errors onto the rest of its
+    batch of columns; each batch's errors reach the columns after it in one product (the paper's lazy batch update)."""
+    u, dead = factor
     rows, cols = w.shape
     g = qz.group_size
-    levels = 2 ** SCHEMES[qz.scheme].bits - 1
-    h = (x.T.astype(np.float64) @ x.astype(np.float64))
-    dead = np.diag(h) == 0  # an input that is always zero: its weights do not matter
-    h[dead, dead] = 1.0
-    h[np.diag_indices(cols)] += DAMPING * np.mean(np.diag(h))
-    # Upper Cholesky factor of H^-1: row k holds how column k's error spreads onto the later columns.
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)
-    wt = np.array(w.T, dtype=np.float32)  # [cols, rows]: a column of w is a contiguous row here
-    wt[dead] = 0
-    codes = np.empty((cols, rows), np.uint8)
-    scales, offsets = [], []
-    for i in range(0, cols, g):
-        j = i + g
-        _, s_part, z_part = quant.quantize(qz.scheme, np.ascontiguousarray(wt[i:j].T), group_size=g,
-                                           scale_dtype=qz.scale_dtype, clip_search=qz.clip_search)
-        scales.append(s_part)
-        offsets.append(z_part)
-        s, z = to_float32(s_part, qz.scale_dtype)[:, 0], to_float32(z_part, qz.scale_dtype)[:, 0]
-        for k in range(i, j):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q = np.where(s == 0, 0, np.clip(np.rint((wt[k] - z) / s), 0, levels))
-            codes[k] = q
-            wt[k] = (wt[k] - (q * s + z)) / hinv[k, k]  # row k now holds column k's scaled error
-            wt[k + 1:j] -= np.outer(hinv[k, k + 1:j], wt[k])
-        wt[j:] -= hinv[i:j, j:].T @ wt[i:j]
-    return _PACK[qz.scheme](np.ascontiguousarray(codes.T)), np.concatenate(scales, axis=1), np.concatenate(offsets, axis=1)
+    w = np.array(w, dtype=np.float32)  # each group's columns become its scaled rounding errors
+    w[:, dead] = 0
+    codes = np.empty((rows, cols), np.uint8)
+    scales, biases = (np.empty((rows, cols // g), storage_dtype(qz.scale_dtype)) for _ in range(2))
+    batch = max(g, BATCH // g * g)
+    for b in range(0, cols, batch):
+        end = min(b + batch, cols)
+        for i in range(b, end, g):
+            j = i + g
+            quant.gptq_group(qz.scheme, w, i, np.ascontiguousarray(u[i:j, i:j]), codes, scales, biases,
+                             group_size=g, scale_dtype=qz.scale_dtype, clip_search=qz.clip_search)
+            if j < end:
+                w[:, j:end] -= matmul(w[:, i:j], u[i:j, j:end])
+        if end < cols:
+            w[:, end:] -= matmul(w[:, b:end], u[b:end, end:])
+    return _PACK[qz.scheme](codes), scales, biases
 
 
 def head_group(provider) -> ScaleGroup | None:

@@ -15,7 +15,7 @@ from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, we
 from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
-from .gptq import DAMPING, gptq, head_group
+from .gptq import DAMPING, gptq, head_group, inverse_hessian_factor
 from .mixed import FISHER_WINDOW, fisher_diagonal, plan_mixed
 from .quantizer import Quantizer
 from .stats import Calibration, calibration_windows, collect, log, source_model
@@ -30,8 +30,12 @@ class Plan:
     reference_ppl: float | None = None
     record: dict[str, Any] = field(default_factory=dict)  # manifest keys
     runtime: str = "float32"  # the store's runtime dtype
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # linear -> its calibration inputs, for GPTQ
+    inputs: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # linear -> (its group, the group's
+    # calibration inputs), for GPTQ
     quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
+    # The latest group's inverse-Hessian factor, shared by the linears that read one input (q, k, v; gate, up), which
+    # compress reaches one after another. Only one is kept: a wide one (down's) is hundreds of MB.
+    _factor: tuple[str, tuple[np.ndarray, np.ndarray]] | None = field(default=None, init=False, repr=False)
 
     def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
         """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
@@ -48,10 +52,12 @@ class Plan:
         qz = self.quantizers.get(name)
         if qz is None or name not in self.inputs or scheme != qz.scheme:
             return None
-        x = self.inputs[name]
-        if name in self.transform.col:  # AWQ multiplied the weight's columns by s: its inputs are divided by s
-            x = x / self.transform.col[name][None, :]
-        return gptq(to_float32(array, src_dtype).reshape(array.shape[0], -1), x, qz)
+        group, x = self.inputs[name]
+        if self._factor is None or self._factor[0] != group:
+            if name in self.transform.col:  # AWQ multiplied the weight's columns by s (the same for the whole
+                x = x / self.transform.col[name][None, :]  # group): its inputs are divided by s
+            self._factor = group, inverse_hessian_factor(x)
+        return gptq(to_float32(array, src_dtype).reshape(array.shape[0], -1), qz, self._factor[1])
 
     def rewrites(self, name: str) -> bool:
         """Whether `apply` changes the values of `name` (AWQ scaling): a source's own quantized values then no
@@ -148,7 +154,7 @@ def _awq(groups: list[ScaleGroup], why_not: str | None, calib: Calibration,
 
 
 def _gptq(groups: list[ScaleGroup], why_not: str | None, head: ScaleGroup | None, calib: Calibration,
-          source: _SourceWeights) -> tuple[dict[str, np.ndarray], dict[str, Quantizer], dict[str, Any]]:
+          source: _SourceWeights) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Quantizer], dict[str, Any]]:
     """Each linear's calibration inputs and quantizer (the decoder's, and the output head's), for `Plan.quantize`,
     and the manifest record."""
     if why_not:
@@ -158,7 +164,7 @@ def _gptq(groups: list[ScaleGroup], why_not: str | None, head: ScaleGroup | None
     for g in [*groups, *([head] if head else [])]:
         for m in g.members:
             if (qz := source.quantizer_for(m)) is not None:
-                inputs[m], quantizers[m] = calib.samples[g.name], qz
+                inputs[m], quantizers[m] = (g.name, calib.samples[g.name]), qz
     return inputs, quantizers, {
         "applied": bool(inputs),
         "decoder_skipped": why_not,

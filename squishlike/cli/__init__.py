@@ -98,7 +98,8 @@ def _main(argv: list[str] | None) -> int:
     if tool_argv and args.mlx_lm_tool is None:  # a mistyped flag of this subcommand: its usage, not the top level's
         args.parser.error(f"unrecognized arguments: {' '.join(tool_argv)}")
     args.tool_argv = tool_argv
-    if getattr(args, "fast_blas", False):  # float32 forward passes: 15x faster with the system OpenBLAS
+    fast_blas = getattr(args, "fast_blas", False)  # a subcommand's bool, or a function of its parsed arguments
+    if fast_blas(args) if callable(fast_blas) else fast_blas:  # float32 forward passes: 15x faster with OpenBLAS
         from ..openblas import reexec_with_openblas
 
         reexec_with_openblas(argv)

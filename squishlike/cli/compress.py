@@ -10,26 +10,6 @@ from pathlib import Path
 HELP = "store a model compressed at rest (an npy-dir)"
 
 
-class _Calibrates(argparse.Action):
-    """Stores an option; one that makes compress run the model in float32 (mixed precision, an INT4 store's
-    default calibration, the INT3 gate) also asks main() to restart with OpenBLAS preloaded (`fast_blas`), as eval
-    does."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        if values not in (0, 0.0, "int8"):  # a fraction > 0, "int4" (calibrated by default) or "int3" (the gate)
-            namespace.fast_blas = True
-
-
-class _CalibratesSwitch(argparse.BooleanOptionalAction):
-    """--X / --no-X for a calibration method (default: the format's); --X also asks for OpenBLAS (`_Calibrates`)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, values, option_string)
-        if getattr(namespace, self.dest):
-            namespace.fast_blas = True
-
-
 def _group_size(text: str) -> int | str:
     from ..compress_options import ROW
 
@@ -55,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
     parser.add_argument("-o", "--output", required=True, type=Path,
                         help="output npy-dir (must not exist or be empty)")
-    parser.add_argument("--format", choices=FORMATS, default="int8", action=_Calibrates,
-                        help="scheme for linear weights")
+    parser.add_argument("--format", choices=FORMATS, default="int8", help="scheme for linear weights")
     parser.add_argument("--group-size", type=_group_size, default=64,
                         help="elements per scale along the input axis: 32, 64 (default) or 128 (int8, int4); "
                         "int8 also takes 'row', the per-row symmetric form")
@@ -79,14 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib = parser.add_argument_group(
         "calibration", "these run the source model in float32 on the shipped calibration text"
     )
-    calib.add_argument("--awq", action=_CalibratesSwitch, default=None,
+    calib.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
                        help="activation-aware per-channel scaling (AWQ), folded into the norms; the stored form "
                        "stays plain INT8/INT4/INT3 (default: on for int4)")
-    calib.add_argument("--gptq", action=_CalibratesSwitch, default=None,
+    calib.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
                        help="error-compensating rounding (GPTQ) of the linears and the output head: each rounding "
                        "error is spread onto the columns not yet rounded; the stored form stays plain (default: on "
                        "for int4)")
-    calib.add_argument("--mixed-precision", type=float, default=0.0, action=_Calibrates, metavar="FRACTION",
+    calib.add_argument("--mixed-precision", type=float, default=0.0, metavar="FRACTION",
                        help="keep the most sensitive tensors (measured) at more bits: at INT8 in an INT4/INT3 "
                        "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "
                        "the quantized tensors take (e.g. 0.1)")
@@ -95,16 +74,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "most F (a fraction: 0.08 is +8%%)")
     calib.add_argument("--calibration-tokens", dest="calibration_max_tokens", type=int, default=None, metavar="N",
                        help="use only the first N tokens of the calibration text (default: all)")
+    # Decided once every option is parsed: a compress that runs the model in float32 restarts with OpenBLAS preloaded.
+    parser.set_defaults(fast_blas=lambda args: _options(args).calibrates)
+
+
+def _options(args: argparse.Namespace):
+    from dataclasses import fields
+
+    from ..compress_options import CompressOptions
+
+    return CompressOptions(**{f.name: getattr(args, f.name) for f in fields(CompressOptions) if hasattr(args, f.name)})
 
 
 def run(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import fields
 
-    from ..compress_options import CompressOptions
     from ..compressor import compress_with_report
 
-    opts = CompressOptions(**{f.name: getattr(args, f.name) for f in fields(CompressOptions) if hasattr(args, f.name)})
+    opts = _options(args)
     opts.check_tiers_fit_format()
     report = compress_with_report(args.src, args.output, opts)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())

@@ -45,6 +45,7 @@ __all__ = [
     "dequantize_int3",
     "pack_int3",
     "unpack_int3",
+    "gptq_group",
 ]
 
 
@@ -123,6 +124,17 @@ def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
     q = np.empty((rows_cols(packed.shape, "packed")[0], cols), np.uint8)
     _rq.unpack_int3(packed, q)
     return q
+
+
+def gptq_group(
+    scheme: str, w: np.ndarray, start: int, u: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+    *, group_size: int, scale_dtype: str, clip_search: bool,
+) -> None:
+    """GPTQ's column loop over the group of columns of `w` (float32 [rows, cols]) that begins at `start`, in place:
+    the group's codes into `codes` (uint8 [rows, cols]), its grid into `scales` / `biases` ([rows, cols //
+    group_size], scale_dtype), and its columns of `w` replaced by the rounding errors divided by the diagonal of `u`
+    (float32 [group_size, group_size], the group's block of the upper Cholesky factor of the inverse Hessian)."""
+    _rq.gptq_group(scheme, w, start, group_size, u, scale_dtype, clip_search, codes, scales, biases)
 
 
 def quantize(

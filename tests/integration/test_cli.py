@@ -364,3 +364,18 @@ def test_export_dtype(tiny_llama, tmp_path):
     source = mx.load(str(tiny_llama / "model.safetensors"))
     name = next(n for n in source if n.endswith("up_proj.weight"))
     assert mx.array_equal(weights[name], source[name].astype(mx.bfloat16)).item()
+
+
+@pytest.mark.parametrize("flags,restarts", [
+    (["--format", "int4"], True),  # calibrated by default
+    (["--format", "int4", "--no-awq", "--no-gptq"], False),  # every calibration switched off
+    (["--format", "int4", "--no-awq", "--no-gptq", "--mixed-precision", "0.1"], True),
+    (["--format", "int8"], False),
+    (["--format", "int8", "--awq"], True),
+    (["--format", "int3"], True),  # the accuracy gate runs the model
+])
+def test_compress_restarts_with_openblas_only_when_it_runs_the_model(flags, restarts):
+    from squishlike.cli import build_parser
+
+    args = build_parser().parse_args(["compress", "model", "-o", "out", *flags])
+    assert args.fast_blas(args) is restarts
