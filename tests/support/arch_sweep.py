@@ -132,6 +132,7 @@ OVERRIDES: dict[str, dict] = {
              "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}},
     "deepseek_v2": {"rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512},
                     "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "exaone4": {"sliding_window_pattern": "LG", "layer_types": _TWO_KINDS},
     "exaone_moe": {"layer_types": _TWO_KINDS, "is_moe_layer": [False, True], "num_shared_experts": 1},
     "gear": {"layer_types": _TWO_KINDS},
     "gemma3n": {"text_config": {"layer_types": _TWO_KINDS, "intermediate_size": [256, 256],
@@ -146,6 +147,9 @@ OVERRIDES: dict[str, dict] = {
     "glm_moe_dsa": {"rope_parameters": _ROPE, "index_topk": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                     "n_shared_experts": 1, "routed_scaling_factor": 1.0, "moe_layer_freq": 1},
     "gptj": {"rotary_dim": 16},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32,
+                         "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
+                         "mamba_proj_bias": False, "shared_intermediate_size": 128},
     "hunyuan": {"rope_scaling": {"type": "dynamic", "factor": 1.0, "alpha": 1.0}, "num_shared_expert": 1,
                 "use_mixed_mlp_moe": True, "cla_share_factor": 2},
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2,
@@ -174,6 +178,7 @@ OVERRIDES: dict[str, dict] = {
     "minicpm3": {"rope_scaling": {"original_max_position_embeddings": 512}, "dim_model_base": 64,
                  "scale_depth": 1.4, "scale_emb": 4.0},
     "minimax": {"rotary_dim": 16, "shared_intermediate_size": 128},
+    "minimax_m3_vl": {"text_config": {"dense_intermediate_size": 256, "shared_intermediate_size": 128}},
     "mistral4": {"rope_parameters": _LLAMA_4_SCALED, "routed_scaling_factor": 1.0},
     "nemotron-nas": {"block_configs": [{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.5}},
                                        {"attention": {"no_op": True}, "ffn": {"replace_with_linear": True}}]},
@@ -183,6 +188,7 @@ OVERRIDES: dict[str, dict] = {
     "openelm": {"num_transformer_layers": 2, "model_dim": 128, "ffn_dim_divisor": 128, "num_query_heads": [4, 4],
                 "num_kv_heads": [2, 2], "ffn_multipliers": [2.0, 2.0]},
     "plamo": {"n_shared_head": 2},
+    "plamo2": {"mamba_num_heads": 4, "hidden_size_per_head": 32},
     "qwen": {"kv_channels": 32, "intermediate_size": 512},  # its MLP is half intermediate_size wide
     "qwen3_next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
                    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "decoder_sparse_step": 1,
@@ -262,12 +268,10 @@ def _neutral(annotation) -> object:
 
 # Swept types that fail a check today, and how: each runs as a strict xfail, so a fix shows.
 KNOWN_FAILING: dict[str, str] = {
-    "bailing_moe_v3": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
-    "muse_glimmer": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
-    "plamo3": "INT4 store's top-1 agreement with the source is 0.74, under the 0.8 floor",
-    # the store's size check sums hand-picked config keys, which miss these families' own sizes
-    "phixtral": "the store refuses lm_head.linear.bias [51200]: its config's sizes 'add up to only 12'",
-    "plamo2": "the store refuses mixer.bcdt_proj.weight [192, 8192]: its config's sizes 'add up to only 1288'",
+    # Measured on this sweep's model: the INT4 store's error is below mlx_lm's own 4-bit on every tensor (clip
+    # search), yet its top-1 agreement is 0.84 to mlx_lm's 0.94 (0.93 without clip search): the routing of a random
+    # 4-expert model flips on small changes. Not a rule of the family: every tensor is where it belongs.
+    "phixtral": "INT4 store's top-1 agreement with the source is 0.84, mlx_lm's own 4-bit 0.94",
 }
 
 # The types whose generated config (with its OVERRIDES) builds.
