@@ -1,7 +1,8 @@
 """Any architecture mlx_lm builds loads and compresses: a sweep over tiny random-weight models of many families.
 
 For each: squishlike.load(src) has mlx_lm.load(src)'s parameters bit for bit; an int8 and an int4 store load
-bit-identically from every tier, and agree with the source model on the next token. The default suite runs the
+bit-identically from every tier, and agree with the source model on the next token (INT4 as well as mlx_lm's own
+4-bit quantization of the same model does). The default suite runs the
 architectures in arch_sweep.DEFAULT; `pytest -m archsweep` runs the rest (scripts/test.sh runs both).
 
 Agreement needs a model with opinions: the test models get trained-like spread in their embedding and output
@@ -19,7 +20,7 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 from support.options import ROUND_TO_NEAREST
-from support.arch_sweep import ARCH_CONFIGS, DEFAULT, KNOWN_FAILING, NOT_SWEPT, model_types
+from support.arch_sweep import ARCH_CONFIGS, DEFAULT, KNOWN_FAILING, NOT_SWEPT, TEXT_ARGS, model_types
 from support.tiny_models import assert_same_weights, flat_params, make_hf_model
 
 import squishlike
@@ -51,6 +52,13 @@ ARCHS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def free_mlx_buffers():
+    """mlx keeps freed buffers for reuse: over a hundred models in one process they added up to gigabytes."""
+    yield
+    mx.clear_cache()
+
+
 def mlx_lm_4bit_agreement(model, expected: mx.array) -> float:
     """The top-1 agreement with `expected` of `model` quantized by mlx_lm (nn.quantize, 4 bits, groups of 32) where
     the INT4 store quantizes it to 4 bits (embeddings and head kept exact, as OPTIONS["int4"] asks). Quantizes
@@ -74,6 +82,7 @@ def test_sweep_covers_the_issue():
     moe = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe"} & types
     ssm = {"mamba", "mamba2", "falcon_h1", "recurrent_gemma"} & types
     assert len(types) >= 25 and len(moe) >= 5 and len(ssm) >= 2 and {"gemma2", "phi3"} <= types
+    assert set(TEXT_ARGS) <= types and {"gemma3", "qwen2_vl", "qwen3_5", "mistral3", "llama4"} <= set(TEXT_ARGS)
     assert set(DEFAULT) <= types and not types & set(NOT_SWEPT)
 
 

@@ -188,6 +188,7 @@ OVERRIDES: dict[str, dict] = {
     "openelm": {"num_transformer_layers": 2, "model_dim": 128, "ffn_dim_divisor": 128, "num_query_heads": [4, 4],
                 "num_kv_heads": [2, 2], "ffn_multipliers": [2.0, 2.0]},
     "plamo": {"n_shared_head": 2},
+    "phixtral": {"num_vocab": 384},
     "plamo2": {"mamba_num_heads": 4, "hidden_size_per_head": 32},
     "qwen": {"kv_channels": 32, "intermediate_size": 512},  # its MLP is half intermediate_size wide
     "qwen3_next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
