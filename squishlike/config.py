@@ -134,13 +134,27 @@ def tie_word_embeddings_default(model_type: str) -> bool:
     """Whether mlx_lm ties `model_type`'s output head to its token embedding when config.json does not say: its
     ModelArgs' default; True where its ModelArgs has no such field: GPT-2 has no head of its own, and Gemma 3 uses
     one only when the weights hold it, so it is never required."""
-    from mlx_lm.utils import _get_classes
-
-    _, model_args = _get_classes({"model_type": model_type})
-    tie = next((f for f in fields(model_args) if f.name == "tie_word_embeddings"), None)
+    tie = next((f for f in fields(_model_args(model_type)) if f.name == "tie_word_embeddings"), None)
     if tie is None:
         return True
     return False if tie.default is MISSING else tie.default  # a required field: mlx_lm refuses such a config
+
+
+def model_args_defaults(model_type: str) -> dict[str, Any]:
+    """What each field of mlx_lm's ModelArgs for `model_type` is when config.json leaves it out (a field without a
+    default is left out here too); {} for a type mlx_lm does not build here."""
+    try:
+        model_args = _model_args(model_type)
+    except (ValueError, ImportError):  # no such model type; a model needing a package that is not installed
+        return {}
+    return {f.name: f.default if f.default is not MISSING else f.default_factory()
+            for f in fields(model_args) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
+def _model_args(model_type: str) -> type:
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes({"model_type": model_type})[1]
 
 
 def _family(model_type: str | None) -> Architecture | None:

@@ -10,6 +10,7 @@ from whichever tier or format produced them instead of globbing `model*.safetens
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 from typing import Any
@@ -64,16 +65,9 @@ def parameter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(array.shape) for name, array in tree_flatten(model.parameters())}
 
 
-def quantizable_weights(model: nn.Module) -> dict[str, str]:
-    """The weights `nn.quantize` would quantize in `model`, by parameter name -> "embedding", "linear" or "int8".
-
-    A weight qualifies when its module has `to_quantized` (nn.Linear, nn.Embedding, the expert stacks of
-    SwitchLinear, ...) and the model's own `quant_predicate`, if it has one, does not refuse it (mlx_lm.convert
-    asks the same). "int8": the predicate asks for 8 bits or more (MoE routers). "embedding": the input
-    embeddings (nn.Embedding) and the output head (`lm_head`, or its family's name for it), the tensors `compress`
-    keeps exact when asked to (--no-quantize-embeddings). Group-size fit is the caller's.
-    """
-    predicate = getattr(model, "quant_predicate", None)
+def embedding_weights(model: nn.Module) -> set[str]:
+    """The weights of `model`'s input embeddings (nn.Embedding) and output head (`lm_head`, or its family's name
+    for it), by parameter name, whether or not the model lets them be quantized."""
     vocab_sizes = {m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, nn.Embedding)}
 
     def is_output_head(path: str, module: nn.Module) -> bool:
@@ -82,20 +76,45 @@ def quantizable_weights(model: nn.Module) -> dict[str, str]:
         outside_layers = not any(part.isdigit() for part in path.split("."))
         return path.rsplit(".", 1)[-1] == "lm_head" or (outside_layers and module.weight.shape[0] in vocab_sizes)
 
+    return {f"{path}.weight" for path, module in model.named_modules()
+            if hasattr(module, "to_quantized") and "weight" in module
+            and (isinstance(module, nn.Embedding) or is_output_head(path, module))}
+
+
+def quantizable_weights(model: nn.Module) -> dict[str, str]:
+    """The weights `nn.quantize` would quantize in `model`, by parameter name -> "embedding", "linear" or "int8".
+
+    A weight qualifies when its module has `to_quantized` (nn.Linear, nn.Embedding, the expert stacks of
+    SwitchLinear, ...) and the model's own `quant_predicate`, if it has one, does not refuse it (mlx_lm.convert
+    asks the same). "int8": the predicate asks for 8 bits or more (MoE routers). "embedding": the input
+    embeddings and the output head (`embedding_weights`), the tensors `compress` keeps exact when asked to
+    (--no-quantize-embeddings). Group-size fit is the caller's.
+    """
+    predicate = getattr(model, "quant_predicate", None)
+    embeddings = embedding_weights(model)
     kinds = {}
     for path, module in model.named_modules():
-        if not hasattr(module, "to_quantized") or "weight" not in module:
+        if not _quantizable(module):
             continue
         asked = True if predicate is None else predicate(path, module)
         if asked is False:
             continue
-        if isinstance(module, nn.Embedding) or is_output_head(path, module):
+        if f"{path}.weight" in embeddings:
             kinds[f"{path}.weight"] = "embedding"
         elif isinstance(asked, dict) and asked.get("bits", 0) >= 8:
             kinds[f"{path}.weight"] = "int8"
         else:
             kinds[f"{path}.weight"] = "linear"
     return kinds
+
+
+def _quantizable(module: nn.Module) -> bool:
+    # nn.quantize passes `mode` to every `to_quantized`: afm7's FusedLinear takes none, so mlx_lm cannot quantize it
+    # (mlx_lm.convert -q fails on it) and no store may hold it quantized.
+    if not hasattr(module, "to_quantized") or "weight" not in module:
+        return False
+    parameters = inspect.signature(module.to_quantized).parameters
+    return "mode" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def build_model(
@@ -106,11 +125,14 @@ def build_model(
     strict: bool = True,
     model_dir: Path | None = None,
     trust_remote_code: bool = False,
+    sanitized: bool = False,
 ) -> nn.Module:
-    """An mlx_lm model with `weights` loaded. Quantized layers are created where weights carry `<p>.scales`."""
+    """An mlx_lm model with `weights` loaded. Quantized layers are created where weights carry `<p>.scales`.
+    `sanitized`: the weights come out of the model's own `sanitize` already (formats/sanitized.py), which is not
+    run twice: it need not be idempotent (baichuan_m1 normalizes its head's rows each time)."""
     check_against_weights(config, weights, model_dir or "config.json")
     model = new_model(config, model_dir, trust_remote_code)
-    if hasattr(model, "sanitize"):
+    if hasattr(model, "sanitize") and not sanitized:
         weights = model.sanitize(weights)
     quantize_as_stored(model, config, weights)
     model.eval()
@@ -144,19 +166,24 @@ def quantize_as_stored(model: nn.Module, config: dict[str, Any], weights: dict[s
     )
 
 
-LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
-_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+# The spellings of a layer count among mlx_lm's ModelArgs (top level, or in a wrapper's text_config)
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_transformer_layers")
+# A parameter in a list of blocks: the path up to its first index names the list (`model.layers`, afm7's
+# `model.kv_reuse_layers`, GPT-2's `h`, a vision tower's), the index the block
+_BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 def check_against_weights(config: dict[str, Any], weights: dict[str, mx.array], source: str | Path) -> None:
-    """Refuse, before building anything, a config the weights cannot fill: more layers than the weights have (a
-    config claiming 2**31 layers would otherwise allocate for minutes), or a quantization block of the wrong
-    types."""
-    layers = {int(m.group(1)) for name in weights if (m := _LAYER_INDEX.search(name))}
-    for key in LAYER_COUNT_KEYS:
-        count = config.get(key)
-        if isinstance(count, int) and not isinstance(count, bool) and count > len(layers):
-            raise FormatError(source, f"config says {key}={count}, the weights hold {len(layers)} layers")
+    """Refuse, before building anything, a config the weights cannot fill: more layers than the weights have
+    blocks (a config claiming 2**31 layers would otherwise allocate for minutes), or a quantization block of the
+    wrong types."""
+    blocks = len({m.groups() for name in weights if (m := _BLOCK.match(name))})
+    text_config = config.get("text_config")
+    for where, part in (("", config), ("text_config.", text_config if isinstance(text_config, dict) else {})):
+        for key in LAYER_COUNT_KEYS:
+            count = part.get(key)
+            if isinstance(count, int) and not isinstance(count, bool) and count > blocks:
+                raise FormatError(source, f"config says {where}{key}={count}, the weights hold {blocks} layers")
     quantization = config.get("quantization")
     if quantization is None:
         return
@@ -191,15 +218,17 @@ def assemble(
     model_config: dict[str, Any] | None = None,
     lazy: bool = False,
     trust_remote_code: bool = False,
+    sanitized: bool = False,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """(model, tokenizer) as mlx_lm.load builds them: the model first (model_config may set the eos ids the
     tokenizer then takes from config). `source`: the model the user named (errors name it, and a trusted
-    `model_file` is looked up beside it)."""
+    `model_file` is looked up beside it). `sanitized`: as for build_model."""
     if model_config:
         config.update(model_config)
     model_dir = Path(source) if Path(source).is_dir() else side_files
     try:
-        model = build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code)
+        model = build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code,
+                            sanitized=sanitized)
     except SquishError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:

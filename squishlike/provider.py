@@ -233,7 +233,8 @@ class WeightProvider:
             config = {**load_config(Path(side_files)), **self.quantization()}
             model, tokenizer = assemble(config, weights, Path(side_files), self.reader.path,
                                         tokenizer_config=tokenizer_config, model_config=model_config, lazy=lazy,
-                                        trust_remote_code=trust_remote_code)
+                                        trust_remote_code=trust_remote_code,
+                                        sanitized=isinstance(self.reader, SanitizedReader))
         return model, tokenizer, config
 
     def close(self) -> None:

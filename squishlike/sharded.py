@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .errors import FormatError, MissingTensorError
+from .errors import FormatError, MissingTensorError, UnsupportedArchitectureError
 from .hub import resolve
 from .io.checksum import check_files
 from .npydir import MANIFEST, NpyDir, is_npydir
@@ -165,8 +165,9 @@ def plan_shards(
         raise ValueError("The model does not support pipelining but a pipeline_group was provided")
     if tensor_group is not None and not has_tensor_parallel:
         raise ValueError("The model does not support tensor parallelism but a tensor_group was provided")
-    if not has_pipelining and not has_tensor_parallel:
-        raise ValueError("The model does not support any sharding")
+    if not has_pipelining and not has_tensor_parallel:  # as mlx_lm.sharded_load refuses it, with the type named
+        raise UnsupportedArchitectureError(f"mlx_lm cannot shard a {config.get('model_type')} model (it has neither "
+                                           "shard() nor a pipeline()): the model does not support any sharding")
     if pipeline_group is tensor_group is None:
         if has_tensor_parallel:
             tensor_group = mx.distributed.init()

@@ -23,8 +23,10 @@ NORM_OFFSET = Adapter(
 
 
 def _gguf_config(get, config: dict) -> dict:
-    # What a Gemma 3 GGUF does not say, llama.cpp hard-codes: every 6th layer is global, the local RoPE base is
-    # 10000, and queries are scaled by 1/sqrt(head_dim), except in the 27B (62 layers): 1/sqrt(hidden / heads).
+    # What a Gemma 3 GGUF does not say, llama.cpp hard-codes: queries are scaled by 1/sqrt(head_dim), except in the
+    # 27B (62 layers): 1/sqrt(hidden / heads). A sliding-window pattern or local RoPE base the GGUF leaves out stays
+    # out of the config (None), so mlx_lm's ModelArgs default holds, as llama.cpp's does (every 6th layer global,
+    # base 10000).
     if config["num_hidden_layers"] == 62:
         query_pre_attn_scalar = config["hidden_size"] // config["num_attention_heads"]
     else:
@@ -32,8 +34,8 @@ def _gguf_config(get, config: dict) -> dict:
     return {
         "query_pre_attn_scalar": query_pre_attn_scalar,
         "sliding_window": get("attention.sliding_window"),
-        "sliding_window_pattern": get("attention.sliding_window_pattern") or 6,
-        "rope_local_base_freq": get("rope.freq_base_swa") or 10000.0,
+        "sliding_window_pattern": get("attention.sliding_window_pattern"),
+        "rope_local_base_freq": get("rope.freq_base_swa"),
     }
 
 

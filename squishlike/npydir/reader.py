@@ -22,7 +22,7 @@ from .. import quant
 from ..dtypes import MX_DTYPES, to_mx, to_numpy
 from ..errors import FormatError, IntegrityError, MissingTensorError, UnsupportedArchitectureError
 from ..quant.tensor import QuantizedTensor
-from ..config import SIDE_FILES, load_config
+from ..config import SIDE_FILES, load_config, model_args_defaults
 from ..io.checksum import check_files
 from ..io.files import open_regular, read_bytes, read_json, regular_file
 from ..io.npy import read_npy_header
@@ -153,12 +153,21 @@ class NpyDir:
     def _validate_dimensions(self, manifest_path: Path) -> None:
         """No tensor dimension exceeds the sum of every size the config states (nested configs included): a derived
         size (a fused projection, mamba's in_proj) is a sum or small product of them, while a manifest claiming
-        terabytes that parts on sparse files would back is refused before anything reads them."""
-        bound = _config_size_sum(self.config())
-        for name, entry in self.entries.items():
-            if any(d > bound for d in entry.shape):
+        terabytes that parts on sparse files would back is refused before anything reads them. The sizes the model
+        takes by default count too: config.json need not state them (phixtral's vocabulary)."""
+        if not self.entries:
+            return
+        config = self.config()
+        name, entry = max(self.entries.items(), key=lambda item: max(item[1].shape, default=0))
+        widest = max(entry.shape, default=0)
+        # mlx_lm's ModelArgs (importing mlx_lm.utils) only where the sizes config.json states fall short
+        if widest > _config_size_sum(config):
+            model_type = self.manifest.model_type
+            bound = _config_size_sum({**model_args_defaults(model_type), **config})
+            if widest > bound:
                 raise FormatError(manifest_path, f"tensor {name!r} has shape {list(entry.shape)}; the sizes in "
-                                                 f"{self.path / 'config.json'} add up to only {bound}")
+                                                 f"{self.path / 'config.json'} and mlx_lm's defaults for "
+                                                 f"{model_type} add up to only {bound}")
 
     # -- manifest views
 

@@ -12,6 +12,7 @@ All float32: on mlx[cpu] gather_mm (MoE experts) runs in float32 only.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 
 import mlx_lm.models
@@ -114,15 +115,94 @@ TINY: dict[str, object] = {
     "state_size": 16, "conv_kernel": 4, "time_step_rank": 8, "sliding_window": 64,
 }
 
-# What a family needs beyond its ModelArgs' fields at their tiny or plainest values.
+# What a family needs beyond its ModelArgs' fields at their tiny or plainest values: a layer pattern for two layers
+# (one of each kind), the sizes of its own parts, the RoPE parameters it reads without a default.
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_TWO_KINDS = ["sliding_attention", "full_attention"]
+_KDA = {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4}
+_LLAMA_4_SCALED = {**_ROPE, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}
 OVERRIDES: dict[str, dict] = {
     # no tie_word_embeddings: the model's own default (True) is what the sweep checks
-    "ministral3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
-                                       "original_max_position_embeddings": 512}},
+    "ministral3": {"rope_parameters": _LLAMA_4_SCALED},
+    "afm7": {"hidden_dim": 128, "num_kv_reuse_layers": 1, "num_kv_heads": 2, "hidden_dim_scale_factor": 2.0},
+    "afmoe": {"layer_types": _TWO_KINDS, "num_dense_layers": 1},
+    "baichuan_m1": {"sliding_window_layers": [0], "conv_window": 2},
+    "cohere2": {"sliding_window_pattern": 2},
+    "dbrx": {"ffn_config": {"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2},
+             "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}},
+    "deepseek_v2": {"rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512},
+                    "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "exaone4": {"sliding_window_pattern": "LG", "layer_types": _TWO_KINDS},
+    "exaone_moe": {"layer_types": _TWO_KINDS, "is_moe_layer": [False, True], "num_shared_experts": 1},
+    "gear": {"layer_types": _TWO_KINDS},
+    "gemma3n": {"text_config": {"layer_types": _TWO_KINDS, "intermediate_size": [256, 256],
+                                "activation_sparsity_pattern": [0.0, 0.0], "num_kv_shared_layers": 0,
+                                "vocab_size_per_layer_input": 384, "hidden_size_per_layer_input": 32,
+                                "rope_local_base_freq": 10000.0, "final_logit_softcapping": 30.0,
+                                "altup_num_inputs": 2, "altup_active_idx": 0, "altup_coef_clip": 120.0,
+                                "laurel_rank": 32}},
+    "gemma3_text": {"sliding_window_pattern": 2, "query_pre_attn_scalar": 32},
+    "gemma4_text": {"sliding_window_pattern": 2, "num_kv_shared_layers": 0, "global_head_dim": 32,
+                    "hidden_size_per_layer_input": 32, "vocab_size_per_layer_input": 384},
+    "glm_moe_dsa": {"rope_parameters": _ROPE, "index_topk": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "moe_layer_freq": 1},
+    "gptj": {"rotary_dim": 16},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32,
+                         "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
+                         "mamba_proj_bias": False, "shared_intermediate_size": 128},
+    "hunyuan": {"rope_scaling": {"type": "dynamic", "factor": 1.0, "alpha": 1.0}, "num_shared_expert": 1,
+                "use_mixed_mlp_moe": True, "cla_share_factor": 2},
+    "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2,
+              "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2},
+    "kimi_linear": {"linear_attn_config": _KDA, "model_max_length": 512, "num_experts_per_token": 2},
+    "kimi_k3": {"text_config": {"linear_attn_config": _KDA, "num_experts_per_token": 2}},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "block_dim": 128, "block_ff_dim": 256,
+             "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "num_dense_layers": 1},
+    # its forward reads the cache of layer 3: four layers
+    "llama4": {"text_config": {"num_hidden_layers": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 64,
+                               "intermediate_size_mlp": 256}},
+    "llama4_text": {"no_rope_layers": [1, 0], "intermediate_size_mlp": 256},
+    "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity", "ffn_hidden_size": 256,
+                      "expert_ffn_hidden_size": 128, "zero_expert_num": 1, "mla_scale_q_lora": True,
+                      "mla_scale_kv_lora": True, "routed_scaling_factor": 1.0},
+    "longcat_flash_ngram": {"ffn_hidden_size": 256, "expert_ffn_hidden_size": 128, "zero_expert_num": 1,
+                            "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "routed_scaling_factor": 1.0,
+                            "ngram_vocab_size_ratio": 2},
+    "mellum": {"layer_types": _TWO_KINDS, "rope_parameters": {t: _ROPE for t in _TWO_KINDS}},
+    "mimo_v2_flash": {"hybrid_layer_pattern": [0, 1], "moe_layer_freq": [0, 1], "sliding_window_size": 64,
+                      "topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 1.0,
+                      "layernorm_epsilon": 1e-5, "swa_rope_theta": 10000.0, "swa_num_attention_heads": 4,
+                      "swa_num_key_value_heads": 2, "swa_head_dim": 32, "swa_v_head_dim": 32,
+                      "partial_rotary_factor": 0.5},
+    "minicpm3": {"rope_scaling": {"original_max_position_embeddings": 512}, "dim_model_base": 64,
+                 "scale_depth": 1.4, "scale_emb": 4.0},
+    "minimax": {"rotary_dim": 16, "shared_intermediate_size": 128},
+    "minimax_m3_vl": {"text_config": {"dense_intermediate_size": 256, "shared_intermediate_size": 128}},
+    "mistral4": {"rope_parameters": _LLAMA_4_SCALED, "routed_scaling_factor": 1.0},
+    "nemotron-nas": {"block_configs": [{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.5}},
+                                       {"attention": {"no_op": True}, "ffn": {"replace_with_linear": True}}]},
+    "nemotron_h": {"hybrid_override_pattern": ["M", "*", "-", "E"], "mamba_num_heads": 8, "mamba_head_dim": 32,
+                   "ssm_state_size": 16, "n_groups": 1, "moe_shared_expert_intermediate_size": 128,
+                   "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0},
+    "openelm": {"num_transformer_layers": 2, "model_dim": 128, "ffn_dim_divisor": 128, "num_query_heads": [4, 4],
+                "num_kv_heads": [2, 2], "ffn_multipliers": [2.0, 2.0]},
+    "plamo": {"n_shared_head": 2},
+    "phixtral": {"num_vocab": 384},
+    "plamo2": {"mamba_num_heads": 4, "hidden_size_per_head": 32},
+    "qwen": {"kv_channels": 32, "intermediate_size": 512},  # its MLP is half intermediate_size wide
+    "qwen3_next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+                   "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "decoder_sparse_step": 1,
+                   "partial_rotary_factor": 0.5, "full_attention_interval": 2},
+    "qwen3_5": {"text_config": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+                                "linear_value_head_dim": 32, "full_attention_interval": 2, "num_experts": 0,
+                                "rope_parameters": {**_ROPE, "mrope_section": [2, 1, 1],
+                                                    "partial_rotary_factor": 0.25}}},
+    "spark2_5": {"layer_types": _TWO_KINDS, "rope_parameters": {t: _ROPE for t in _TWO_KINDS}},
 }
+OVERRIDES["qwen3_5_moe"] = {"text_config": {**OVERRIDES["qwen3_5"]["text_config"], "num_experts": 4}}
 
-# mlx_lm model types the sweep leaves out, and why. "no tiny config yet" types build from a config with more than
-# ModelArgs' fields say (a layer pattern, a nested text_config): each needs an OVERRIDES entry to join the sweep.
+# mlx_lm model types the sweep leaves out: those that cannot run here, and why.
 _NO_CPU = "mlx_lm runs it with a Metal kernel; on mlx[cpu] it fails with 'No Metal back-end'"
 NOT_SWEPT: dict[str, str] = {
     "bitnet": _NO_CPU,
@@ -130,30 +210,6 @@ NOT_SWEPT: dict[str, str] = {
     "olmo": "mlx_lm's olmo imports the ai2-olmo package, which is not installed",
     "phi3small": "its model hard-codes vocabulary ids beyond a tiny vocabulary: mlx_lm crashes (segfault)",
     "prism_hadamard_qwen35": "mlx_lm builds it only from a pre-quantized Hadamard pack",
-    **{t: f"no tiny config yet: {why}" for t, why in {
-        "afm7": "needs its kv-reuse layer counts", "afmoe": "needs layer_types", "baichuan_m1": "needs its sliding-"
-        "window layers", "cohere2": "needs its sliding-window pattern", "dbrx": "needs ffn_config/attn_config",
-        "deepseek_v2": "needs rope_scaling", "exaone_moe": "needs layer_types and is_moe_layer", "gear":
-        "needs layer_types", "gemma3": "nested text_config",
-        "gemma4": "its nested text_config's defaults build a model of many GB", "exaone4": "mlx_lm reads "
-        "sliding_window_pattern as a string, the tokenizer's transformers config as an int",
-        "gemma3_text": "needs its sliding-window pattern", "granitemoehybrid": "needs its mamba sizes",
-        "gemma3n": "nested text_config", "gemma4_text": "needs layer_types", "glm_moe_dsa": "needs rope_parameters",
-        "gptj": "needs rotary_dim", "hunyuan": "needs rope_scaling", "jamba": "needs its layer periods",
-        "kimi_k25": "nested text_config", "kimi_k3": "nested text_config", "kimi_linear": "needs linear_attn_config",
-        "kimi_vl": "nested text_config", "lfm2": "needs its layer list", "lfm2-vl": "nested text_config",
-        "lfm2_moe": "needs its layer list", "llama4": "nested text_config", "llama4_text": "needs no_rope_layers",
-        "longcat_flash": "needs its MLA scales", "longcat_flash_ngram": "needs its MLA scales",
-        "mellum": "needs layer_types", "mimo_v2_flash": "needs its layer "
-        "pattern", "minicpm3": "needs rope_scaling", "minimax": "needs rotary_dim", "minimax_m3_vl": "nested "
-        "text_config", "mistral3": "nested text_config", "mistral4": "needs rope_parameters", "nemotron-nas":
-        "needs block_configs", "nemotron_h": "needs hybrid_override_pattern",
-        "openelm": "needs its per-layer head lists", "pixtral":
-        "nested text_config", "plamo": "needs its kv head count", "qwen": "needs its MLP width spelling",
-        "qwen2_vl": "nested text_config", "qwen3_vl": "nested text_config", "qwen3_vl_moe": "nested text_config",
-        "qwen3_5": "nested text_config", "qwen3_5_moe": "nested text_config", "qwen3_next": "needs its layer "
-        "pattern", "spark2_5": "needs RoPE parameters per layer type",
-    }.items()},
 }
 
 
@@ -164,15 +220,41 @@ def model_types() -> list[str]:
     return sorted(p.stem for p in Path(mlx_lm.models.__file__).parent.glob("*.py") if p.stem not in skip)
 
 
+# Multimodal wrappers: the ModelArgs class (module.Class in mlx_lm.models) their `text_config` fills. The sweep
+# builds that text config as it builds a model's (tiny values, plainest required ones), under the wrapper's
+# OVERRIDES["text_config"] and the text model type's own OVERRIDES.
+TEXT_ARGS: dict[str, str] = {
+    "gemma3": "gemma3_text.ModelArgs", "gemma3n": "gemma3n.TextConfig", "gemma4": "gemma4_text.ModelArgs",
+    "qwen2_vl": "qwen2.ModelArgs", "qwen3_vl": "qwen3.ModelArgs", "qwen3_vl_moe": "qwen3_moe.ModelArgs",
+    "qwen3_5": "qwen3_5.TextModelArgs", "qwen3_5_moe": "qwen3_5.TextModelArgs", "mistral3": "ministral3.ModelArgs",
+    "pixtral": "llama.ModelArgs", "lfm2-vl": "lfm2.ModelArgs", "llama4": "llama4.TextArgs",
+    "kimi_vl": "kimi_vl.TextArgs", "kimi_k25": "deepseek_v3.ModelArgs", "kimi_k3": "kimi_k3.TextArgs",
+    "minimax_m3_vl": "minimax_m3_vl.TextArgs",
+}
+
+
 def tiny_config(model_type: str) -> dict:
     _, model_args = _get_classes({"model_type": model_type})
+    overrides = dict(OVERRIDES.get(model_type, {}))
+    config = _tiny_fields(model_args)
+    if model_type in TEXT_ARGS:
+        module, name = TEXT_ARGS[model_type].split(".")
+        text_type = module if name == "ModelArgs" else model_type
+        text_args = getattr(importlib.import_module(f"mlx_lm.models.{module}"), name)
+        config["text_config"] = {**_tiny_fields(text_args), **OVERRIDES.get(text_type, {}),
+                                 **overrides.pop("text_config", {}), "model_type": text_type}
+    return {**config, **overrides, "model_type": model_type}
+
+
+def _tiny_fields(model_args: type) -> dict:
+    """Each field named in TINY at its tiny value, every other required one at its plainest (False, 1, empty)."""
     config = {}
     for f in dataclasses.fields(model_args):
         if f.name in TINY:
             config[f.name] = TINY[f.name]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             config[f.name] = _neutral(f.type)  # a required flag or size mlx_lm gives no default: the plainest
-    return {**config, **OVERRIDES.get(model_type, {}), "model_type": model_type}
+    return config
 
 
 def _neutral(annotation) -> object:
@@ -187,12 +269,13 @@ def _neutral(annotation) -> object:
 
 # Swept types that fail a check today, and how: each runs as a strict xfail, so a fix shows.
 KNOWN_FAILING: dict[str, str] = {
-    "bailing_moe_v3": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
-    "muse_glimmer": "INT4 store's top-1 agreement with the source is 0.67, under the 0.8 floor",
-    "plamo3": "INT4 store's top-1 agreement with the source is 0.74, under the 0.8 floor",
-    # the store's size check sums hand-picked config keys, which miss these families' own sizes
-    "phixtral": "the store refuses lm_head.linear.bias [51200]: its config's sizes 'add up to only 12'",
-    "plamo2": "the store refuses mixer.bcdt_proj.weight [192, 8192]: its config's sizes 'add up to only 1288'",
+    # Measured on this sweep's model: the INT4 store's error is below mlx_lm's own 4-bit on every tensor (clip
+    # search), yet its top-1 agreement is 0.84 to mlx_lm's 0.94 (0.93 without clip search): the routing of a random
+    # 4-expert model flips on small changes. Not a rule of the family: every tensor is where it belongs.
+    "phixtral": "INT4 store's top-1 agreement with the source is 0.84, mlx_lm's own 4-bit 0.94",
+    # Not diagnosed yet (found in the last run of this change): below mlx_lm's own 4-bit by more than the slack.
+    "glm4": "INT4 store's top-1 agreement with the source is 0.82, mlx_lm's own 4-bit 0.885",
+    "minimax_m3_vl": "INT4 store's top-1 agreement with the source is 0.77, mlx_lm's own 4-bit 0.90",
 }
 
 # The types whose generated config (with its OVERRIDES) builds.
@@ -203,5 +286,12 @@ GENERATED = (
     "glm4_moe_lite", "gpt_bigcode", "hunyuan_v1_dense", "internlm3", "iquestloopcoder",
     "laguna", "lille-130m", "mimo", "muse_glimmer", "nanbeige", "nanochat", "olmo_hybrid", "phimoe",
     "phixtral", "plamo2", "plamo3", "qwen2", "rwkv7", "solar_open", "step3p5", "talkie", "telechat3", "youtu_llm",
+    "afm7", "afmoe", "baichuan_m1", "cohere2", "dbrx", "deepseek_v2", "exaone4", "exaone_moe", "gear",
+    "gemma3_text", "gemma4_text", "glm_moe_dsa", "gptj", "granitemoehybrid", "hunyuan", "jamba", "kimi_linear",
+    "lfm2", "lfm2_moe", "llama4_text", "longcat_flash", "longcat_flash_ngram", "mellum", "mimo_v2_flash",
+    "minicpm3", "minimax", "mistral4", "nemotron-nas", "nemotron_h", "openelm", "plamo", "qwen", "qwen3_next",
+    "spark2_5",
+    # multimodal wrappers (TEXT_ARGS)
+    *TEXT_ARGS,
 )
 ARCH_CONFIGS: dict[str, dict] = {**HAND, **{t: tiny_config(t) for t in GENERATED}}

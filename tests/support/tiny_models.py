@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from squishlike.model import new_model, quantizable_weights
+from squishlike.model import embedding_weights, new_model
 
 # Shapes divisible by every group size (32, 64, 128) so each tensor can take each scheme.
 BASE = dict(
@@ -74,11 +74,13 @@ def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.f
     one size has near-ties everywhere, which any rounding of its weights flips."""
     mx.random.seed(seed)
     model = new_model(config)
-    heads = {name for name, kind in quantizable_weights(model).items() if kind == "embedding"}
+    heads = embedding_weights(model)
+    unscaled = {f"{path}.weight": identity_weight(m) for path, m in model.named_modules()
+                if "norm" in type(m).__name__.lower() and getattr(m.get("weight"), "ndim", 0) == 1}
 
     def randomized(name: str, v: mx.array) -> mx.array:
         if v.ndim == 1:  # random norms too, so a misplaced or dropped norm weight changes the logits
-            return mx.random.normal(v.shape) * 0.1 + 1.0
+            return mx.random.normal(v.shape) * 0.1 + unscaled.get(name, 1.0)
         if name in heads and row_spread:
             return v * mx.exp(row_spread * mx.random.normal((v.shape[0], 1)))
         return v
@@ -91,6 +93,25 @@ def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.f
         shutil.copy(f, directory / f.name)
     return directory
 
+
+
+def identity_weight(norm) -> float:
+    """The weight at which a norm layer leaves its normalized input unscaled: 1 for most; 0 for a norm that scales
+    by 1 + weight (Gemma's, muse_glimmer's), or 1 - offset (plamo3's). A trained model's norms sit near it; a random
+    model's norms must too: each norm at twice its identity doubles what passes, errors included."""
+    weight = norm.weight
+    x = mx.random.normal((1, weight.shape[0]), key=mx.random.key(0))  # leaves the seeded draws of the weights as they were
+    try:
+        out = {}
+        for w in (0.0, 1.0):
+            norm.weight = mx.full(weight.shape, w)
+            out[w] = norm(x)
+    except (TypeError, ValueError):  # a norm that takes more than the input (a gated one): scales by its weight
+        return 1.0
+    finally:
+        norm.weight = weight
+    # out(w) = normalized * (w + offset)
+    return 1.0 - mx.mean(out[0.0] / (out[1.0] - out[0.0])).item()
 
 
 def mlx_quantized(tmp_path: Path, tokenizer_dir: Path, config: dict = TINY_CONFIGS["llama"], **convert_args) -> Path:
