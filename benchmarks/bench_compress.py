@@ -49,7 +49,7 @@ def child(method: str, src: str, out: str) -> None:
         import squishlike
 
         def run():
-            squishlike.compress(src, out, format="int4", **METHODS[method])
+            squishlike.compress(src, out, scheme="int4", **METHODS[method])
     rss_import = rss_now()
     started = time.perf_counter()
     run()

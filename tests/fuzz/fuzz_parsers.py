@@ -112,9 +112,9 @@ class Workspace:
             self.file = self.base.ollama_manifest
             seeds.append(self.file.read_bytes())
         elif target == "npy":
-            int8 = squishlike.compress(self.hf, root / "int8", format="int8", tiers=())
-            int4 = squishlike.compress(self.hf, root / "int4", format="int4", group_size=32, tiers=())
-            int3 = squishlike.compress(self.hf, root / "int3", format="int3", group_size=32, tiers=(), int3_gate=False)
+            int8 = squishlike.compress(self.hf, root / "int8", scheme="int8", tiers=())
+            int4 = squishlike.compress(self.hf, root / "int4", scheme="int4", group_size=32, tiers=())
+            int3 = squishlike.compress(self.hf, root / "int3", scheme="int3", group_size=32, tiers=(), int3_gate=False)
             from squishlike.npydir import NpyDir
 
             self.parts = []  # (store, tensor name, suffix, path)

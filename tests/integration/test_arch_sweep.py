@@ -105,7 +105,7 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
     source_top1 = top1(reference)
     floors = {"int8": INT8_FLOOR, "int4": mlx_lm_4bit_agreement(reference, source_top1) - INT4_SLACK}
     for fmt, floor in floors.items():
-        out = squishlike.compress(src, tmp_path / fmt, format=fmt, tiers=ALL_TIERS, **OPTIONS[fmt])
+        out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, tiers=ALL_TIERS, **OPTIONS[fmt])
         store = NpyDir(out)
         assert any(e.kind.quantized for e in store.entries.values()), "the model has weights to quantize"
         cold, _ = squishlike.load(out)  # the first load: the cold path, building every tier the policy asks for
@@ -133,7 +133,7 @@ def test_hf_layout_goes_through_the_models_sanitize(tmp_path, tokenizer_dir):
 
     reference, _ = mlx_lm.load(str(hf_dir))
     assert_same_weights(reference, squishlike.load(hf_dir)[0])
-    out = squishlike.compress(hf_dir, tmp_path / "int4", format="int4", **ROUND_TO_NEAREST)
+    out = squishlike.compress(hf_dir, tmp_path / "int4", scheme="int4", **ROUND_TO_NEAREST)
     store = NpyDir(out)
     assert store.manifest.naming == "mlx"
     experts = store.entry("model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight")
@@ -148,7 +148,7 @@ def test_hf_layout_goes_through_the_models_sanitize(tmp_path, tokenizer_dir):
 def test_the_models_quant_predicate_decides(tmp_path, tokenizer_dir):
     """qwen3_moe's quant_predicate keeps its routers at 8 bits: an INT4 store keeps them INT8."""
     src = make_hf_model(tmp_path / "qwen3_moe", ARCH_CONFIGS["qwen3_moe"], tokenizer_dir)
-    store = NpyDir(squishlike.compress(src, tmp_path / "int4", format="int4", tiers=()))
+    store = NpyDir(squishlike.compress(src, tmp_path / "int4", scheme="int4", tiers=()))
     assert store.entry("model.layers.0.mlp.gate.weight").scheme == "int8"
     assert store.entry("model.layers.0.mlp.switch_mlp.up_proj.weight").scheme == "int4"
 
@@ -164,8 +164,8 @@ def test_output_heads_stay_exact_whatever_their_name(arch, head, tmp_path, token
     """The output head is known as the head under the family's own name for it: kept exact, as `lm_head` is, when
     embeddings and head are not quantized, and quantized with them by default."""
     src = make_hf_model(tmp_path / arch, ARCH_CONFIGS[arch], tokenizer_dir)
-    kept = squishlike.compress(src, tmp_path / "kept", format="int4", tiers=(), quantize_embeddings=False,
+    kept = squishlike.compress(src, tmp_path / "kept", scheme="int4", tiers=(), quantize_embeddings=False,
                                **ROUND_TO_NEAREST)
     assert NpyDir(kept).entry(head).scheme == "passthrough"
-    assert squishlike.compress(src, tmp_path / "all", format="int4", tiers=(), **ROUND_TO_NEAREST)
+    assert squishlike.compress(src, tmp_path / "all", scheme="int4", tiers=(), **ROUND_TO_NEAREST)
     assert NpyDir(tmp_path / "all").entry(head).scheme == "int4"

@@ -128,11 +128,11 @@ def test_bad_group_size(tiny_llama, tmp_path, fmt, group):
         assert error.startswith(f"squishlike compress: error: --group-size {group} is not valid for {fmt}")
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match=f"^group_size={group} is not valid for {fmt}; choose one of"):
-        squishlike.compress(tiny_llama, tmp_path / "out", format=fmt, group_size=group)  # the API names its own
+        squishlike.compress(tiny_llama, tmp_path / "out", scheme=fmt, group_size=group)  # the API names its own
 
 
 def test_forced_tier_not_ready(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8")
     done = cli("generate", "--model", out, "--prompt", "hi", "--tier", "finalized", check_rc=2)
     assert done.stderr.startswith(f"squishlike generate: error: {out}: tier 'finalized' is not ready "
                                   "(finalized/.ready: absent); "
@@ -145,7 +145,7 @@ def test_forced_tier_not_ready(tiny_llama, tmp_path):
 
 
 def test_inspect_and_verify(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4", tiers=("int4", "mlx"))
+    out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4", tiers=("int4", "mlx"))
     squishlike.load(out)
     report = json.loads(cli("inspect", out, "--json").stdout)
     assert report["format"] == "npydir"
@@ -164,12 +164,12 @@ def test_inspect_and_verify(tiny_llama, tmp_path):
 
 
 def test_inspect_says_which_tier_load_takes_and_why(tiny_llama, tmp_path):
-    default = squishlike.compress(tiny_llama, tmp_path / "default", format="int4")
+    default = squishlike.compress(tiny_llama, tmp_path / "default", scheme="int4")
     squishlike.load(default)  # on CPU no cache is faster than the store: the cold path serves every load
     report = json.loads(cli("inspect", default, "--json").stdout)
     assert report["load"] == {"tier": "cold", "reason": "no cache tier is ready, and on this device none is faster "
                                                         "than the store itself"}
-    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4", tiers=("mlx", "finalized"))
+    out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4", tiers=("mlx", "finalized"))
     report = json.loads(cli("inspect", out, "--json").stdout)
     assert report["load"]["tier"] == "cold" and "this load builds tier mlx" in report["load"]["reason"]
     squishlike.load(out)
@@ -182,7 +182,7 @@ def test_inspect_says_which_tier_load_takes_and_why(tiny_llama, tmp_path):
 
 
 def test_prune_removes_caches_under_the_lock_and_keeps_the_store(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4", tiers=("mlx", "finalized", "int4"))
+    out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4", tiers=("mlx", "finalized", "int4"))
     reference, _ = squishlike.load(out)
     store_files = {p: p.read_bytes() for p in (out / "tensors").iterdir()}
     mlx_bytes = (out / "squish_weights.safetensors").stat().st_size
@@ -279,7 +279,7 @@ def test_errors_have_one_form(tiny_llama, tmp_path):
 def test_inspect_summary_first_and_fitted_to_the_terminal(tiny_llama, tmp_path):
     import os
 
-    out = squishlike.compress(tiny_llama, tmp_path / "out", format="int4", tiers=("mlx",))
+    out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4", tiers=("mlx",))
     squishlike.load(out)
     report = json.loads(cli("inspect", out, "--json").stdout)
     served = report["load"]["tier"]

@@ -34,7 +34,7 @@ def test_default_int4_no_bigger_than_mlx_lm_4bit_and_same_in_every_tier(tmp_path
     src = make_hf_model(tmp_path / arch, {**TINY_CONFIGS[arch], "vocab_size": 8192}, tokenizer_dir)
     mlx_out = tmp_path / "mlx_lm"
     mlx_lm.convert(str(src), str(mlx_out), quantize=True, q_bits=4, q_group_size=64)
-    out = squishlike.compress(src, tmp_path / "store", format="int4", tiers=ALL, calibration_max_tokens=512)
+    out = squishlike.compress(src, tmp_path / "store", scheme="int4", tiers=ALL, calibration_max_tokens=512)
     assert weights_at_rest(out) <= weights_at_rest(mlx_out)
 
     store = NpyDir(out)
@@ -57,8 +57,8 @@ def smollm2_int4(tmp_path_factory, smollm_gguf) -> dict:
     mlx_lm's grid: name -> (directory, its every_file bytes as compress left it)."""
     root = tmp_path_factory.mktemp("smollm2-int4")
     stores = {
-        "default": squishlike.compress(smollm_gguf, root / "default", format="int4", calibration_max_tokens=512),
-        "rtn": squishlike.compress(smollm_gguf, root / "rtn", format="int4", group_size=64, awq=False, gptq=False,
+        "default": squishlike.compress(smollm_gguf, root / "default", scheme="int4", calibration_max_tokens=512),
+        "rtn": squishlike.compress(smollm_gguf, root / "rtn", scheme="int4", group_size=64, awq=False, gptq=False,
                                    clip_search=False),
     }
     return {name: (path, every_file(path)) for name, path in stores.items()}
@@ -69,7 +69,7 @@ def test_default_stores_of_smollm2_no_bigger_than_mlx_lm_convert(smollm2_int4, s
     to HF) at the same bits and group size, with bfloat16 scales (as mlx-community's models and the store hold them;
     convert's float32 default would be the bigger baseline)."""
     hf = export(smollm_gguf, "hf", tmp_path / "hf")
-    int8 = squishlike.compress(smollm_gguf, tmp_path / "int8", format="int8")
+    int8 = squishlike.compress(smollm_gguf, tmp_path / "int8", scheme="int8")
     for bits, store_bytes in ((4, smollm2_int4["default"][1]), (8, every_file(int8))):
         mlx_out = tmp_path / f"mlx_lm-{bits}bit"
         mlx_lm.convert(str(hf), str(mlx_out), quantize=True, q_bits=bits, q_group_size=64, dtype="bfloat16")

@@ -159,7 +159,7 @@ def test_int8_store_exports_the_bytes_of_mlx_lm_convert(tmp_path, tokenizer_dir,
     """A group-wise INT8 store exported with -q --q-bits 8 is, tensor for tensor and byte for byte, what
     mlx_lm.convert -q --q-bits 8 writes from the values the store was compressed from."""
     hf_llama(tmp_path / "src", tokenizer_dir, dtype)
-    store = squishlike.compress(tmp_path / "src", tmp_path / "store", format="int8", group_size=group_size)
+    store = squishlike.compress(tmp_path / "src", tmp_path / "store", scheme="int8", group_size=group_size)
     out = export(store, "mlx", tmp_path / "out", quantize=True, q_bits=8, q_group_size=group_size)
     mlx_lm.convert(str(tmp_path / "src"), str(tmp_path / "ref"), quantize=True, q_bits=8, q_group_size=group_size,
                    dtype=str(dtype).removeprefix("mlx.core."))  # the tiny model's config says float32
@@ -175,7 +175,7 @@ def test_int8_store_exports_its_own_triples(tmp_path, tokenizer_dir):
     """With clip search the store's scales differ from what mx.quantize would choose: the export keeps the
     store's q, scales and offsets as they are (a lossless repack), not a requantization of its values."""
     hf_llama(tmp_path / "src", tokenizer_dir, mx.bfloat16)
-    store = squishlike.compress(tmp_path / "src", tmp_path / "store", format="int8", clip_search=True)
+    store = squishlike.compress(tmp_path / "src", tmp_path / "store", scheme="int8", clip_search=True)
     out = export(store, "mlx", tmp_path / "out", quantize=True, q_bits=8, q_group_size=64)
     exported = mx.load(str(out / "model.safetensors"))
     repacked = 0

@@ -20,7 +20,7 @@ TIERS = ("int4", "mlx", "finalized", "cold")
 
 @pytest.fixture
 def int4_store(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "finalized", "int4"))
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", tiers=("mlx", "finalized", "int4"))
     squishlike.load(out)  # first load builds the caches
     return out
 

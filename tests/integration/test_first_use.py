@@ -63,7 +63,7 @@ def test_a_mistyped_option_is_the_subcommands_usage_error(tiny_llama, tmp_path):
 @pytest.mark.parametrize("argv", [["chat", "--help"], ["compress", "--help"], ["--help"], ["inspect", "{store}"]])
 def test_every_command_is_safe_in_a_pipe_closed_early(tiny_llama, tmp_path, argv):  # defect 2
     """`squishlike chat --help | head -3`: the reader leaves before the output is written."""
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8")
     argv = [a.format(store=store) for a in argv]
     process = subprocess.Popen([sys.executable, "-m", "squishlike", *argv], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
@@ -81,7 +81,7 @@ def test_chat_on_a_pipe_writes_plain_text(smollm_gguf):  # defect 3
 
 
 def test_inspect_never_cuts_a_tensor_name(tiny_llama, tmp_path):  # defect 7
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int4")
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4")
     names = {t for t in NpyDir(store).entries}
     text = cli("inspect", store, env={"COLUMNS": "60"}).stdout
     table = text.split("\n\n", 1)[1].splitlines()
@@ -95,7 +95,7 @@ def test_inspect_never_cuts_a_tensor_name(tiny_llama, tmp_path):  # defect 7
 
 
 def test_prune_says_what_it_did_and_what_was_not_there(tiny_llama, tmp_path):  # defect 8
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8", tiers=("mlx", "int8"))
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8", tiers=("mlx", "int8"))
     squishlike.load(store)
     assert (store / "squish_8bit").is_dir() and (store / "squish_weights.safetensors").exists()
     int8_bytes = sum(p.stat().st_size for p in (store / "squish_8bit").rglob("*") if p.is_file())
@@ -111,7 +111,7 @@ def test_prune_says_what_it_did_and_what_was_not_there(tiny_llama, tmp_path):  #
 
 
 def test_prune_removes_the_int8_tier_directory(tiny_llama, tmp_path):  # defect 8
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8", tiers=("int8",))
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8", tiers=("int8",))
     squishlike.load(store)
     int8_bytes = sum(p.stat().st_size for p in (store / "squish_8bit").rglob("*") if p.is_file())
     done = cli("prune", store, "--keep", "")
@@ -136,7 +136,7 @@ def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path):  # defect 9
 
 
 def test_eval_checks_its_arguments_before_loading(tiny_llama, tmp_path):  # defect 10
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8")
     before = sorted(p.name for p in store.iterdir())
     done = cli("eval", store, "--reference", tmp_path / "nonexistent", check_rc=2)
     assert done.stderr.strip() == f"squishlike eval: error: {tmp_path / 'nonexistent'}: no such file or directory"
@@ -144,7 +144,7 @@ def test_eval_checks_its_arguments_before_loading(tiny_llama, tmp_path):  # defe
 
 
 def test_eval_counts_in_english(tiny_llama, tmp_path):  # defect 11
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8")
     done = cli("eval", store, "--max-tokens", "64")
     assert re.search(r"scored tokens in 1 window$", done.stdout, re.M), done.stdout
 
@@ -161,7 +161,7 @@ def test_the_readme_synopsis_names_every_option():  # defect 12
 
 def test_a_load_that_writes_a_cache_says_what_and_how_much_once(tiny_llama, tmp_path):  # defect 5
     # a cache tier asked for at compress: on mlx[cpu] the default policy writes none
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8", tiers=("mlx",))
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8", tiers=("mlx",))
     store_bytes = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     first = cli("generate", "--model", store, "--prompt", "hi", "--max-tokens", "2", "--ignore-chat-template")
     added = sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) - store_bytes
@@ -175,7 +175,7 @@ def test_a_load_that_writes_a_cache_says_what_and_how_much_once(tiny_llama, tmp_
 def test_forcing_a_tier_the_device_order_would_not_take_says_why(tiny_llama, tmp_path):  # defect 6
     from squishlike.tiers.order import device_kind, reason
 
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8", tiers=("mlx", "int8"))
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8", tiers=("mlx", "int8"))
     squishlike.load(store, tier="int8")
     squishlike.load(store, tier="mlx")
     slower, faster = ("int8", "mlx") if device_kind() == "cpu" else ("mlx", "int8")

@@ -12,7 +12,7 @@ from squishlike.loadtime import GENERATION_PROMPT_TOKENS, measure_load
 def test_in_process_load_and_time_to_first_token(tiny_llama, tmp_path, loader):
     path = tiny_llama
     if loader == "squishlike":
-        path = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4")
+        path = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4")
         squishlike.load(path)
     dropped = 256 << 20  # the model a process switching models drops before this load
     report = measure_load(path, loader=loader, in_process=True, dropped_bytes=dropped, generate=4)

@@ -32,7 +32,7 @@ def stores(smollm_gguf, tmp_path_factory) -> dict[str, Path]:
     # float32 and no 4-bit tier: plain float32 Linear layers, the fast CPU path for these forward passes
     root = tmp_path_factory.mktemp("tools")
     return {
-        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, dtype="float32", tiers=("finalized",),
+        fmt: squishlike.compress(smollm_gguf, root / fmt, scheme=fmt, dtype="float32", tiers=("finalized",),
                                   **ROUND_TO_NEAREST)
         for fmt in ("int8", "int4")
     }

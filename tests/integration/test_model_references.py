@@ -77,7 +77,7 @@ print(len(ours), "parameters as mlx_lm.load's")
 def test_a_cached_repo_id_works_offline_everywhere_a_path_does(tiny_llama, tmp_path):
     cache = tmp_path / "hub"
     snapshot = cache_repo(cache, "tiny-org/tiny-llama", tiny_llama)
-    cache_repo(cache, "tiny-org/tiny-llama-int8", squishlike.compress(tiny_llama, tmp_path / "int8", format="int8"))
+    cache_repo(cache, "tiny-org/tiny-llama-int8", squishlike.compress(tiny_llama, tmp_path / "int8", scheme="int8"))
 
     assert "parameters as mlx_lm.load's" in offline(cache, "-c", SAME_AS_MLX_LM, "tiny-org/tiny-llama").stdout
     offline(cache, "-m", "squishlike", "compress", "tiny-org/tiny-llama", "-o", tmp_path / "out")

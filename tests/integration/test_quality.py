@@ -74,7 +74,7 @@ def test_awq_fold_is_exact_in_float(tmp_path, tokenizer_dir, arch):
 
 @pytest.mark.parametrize("fmt,scheme,native", [("int4", "int4", "int4"), ("int8", "int8g", "int8")])
 def test_awq_store_is_plain_and_identical_in_every_tier(loud_llama, tmp_path, fmt, scheme, native):
-    out = squishlike.compress(loud_llama, tmp_path / "awq", format=fmt, awq=True, clip_search=True,
+    out = squishlike.compress(loud_llama, tmp_path / "awq", scheme=fmt, awq=True, clip_search=True,
                               calibration_max_tokens=CALIB_TOKENS, tiers=ALL)
     manifest = json.loads((out / "manifest.json").read_text())
     awq = manifest["awq"]
@@ -103,7 +103,7 @@ def test_awq_store_is_plain_and_identical_in_every_tier(loud_llama, tmp_path, fm
 ])
 def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, scheme, kept, options):
     """INT4/INT3 stores keep the most sensitive tensors at INT8; INT8 stores keep them exact (passthrough)."""
-    out = squishlike.compress(loud_llama, tmp_path / "mixed", format=fmt, mixed_precision=0.25,
+    out = squishlike.compress(loud_llama, tmp_path / "mixed", scheme=fmt, mixed_precision=0.25,
                               calibration_max_tokens=CALIB_TOKENS, tiers=ALL, **options)
     manifest = json.loads((out / "manifest.json").read_text())
     report = manifest["mixed_precision"]
@@ -138,7 +138,7 @@ def test_mixed_precision_entries_load_in_every_tier(loud_llama, tmp_path, fmt, s
 
 
 def _int3(src, out, bound: float):
-    return squishlike.compress(src, out, format="int3", group_size=32, awq=True, int3_max_ppl_increase=bound,
+    return squishlike.compress(src, out, scheme="int3", group_size=32, awq=True, int3_max_ppl_increase=bound,
                                calibration_max_tokens=CALIB_TOKENS)
 
 
@@ -168,7 +168,7 @@ def test_int3_gate_fails_with_a_tight_bound(tiny_llama, tmp_path):
 
 
 def test_int3_gate_skipped_writes_the_store_without_its_tier(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "skipped", format="int3", group_size=32, int3_gate=False)
+    out = squishlike.compress(tiny_llama, tmp_path / "skipped", scheme="int3", group_size=32, int3_gate=False)
     gate = NpyDir(out).manifest.int3_gate
     assert gate["passed"] is False and "skipped" in gate["reason"]
     squishlike.load(out)  # the cold path builds what the policy wants: not the 3-bit tier
@@ -199,6 +199,6 @@ def test_cli_int3_gate_failure_exits_1_and_names_the_options(tiny_llama, tmp_pat
 def test_awq_skipped_for_an_unsupported_family(tmp_path, tokenizer_dir):
     src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
     with pytest.warns(UserWarning, match="AWQ scaling skipped"):
-        out = squishlike.compress(src, tmp_path / "g4", format="int4", awq=True, calibration_max_tokens=256)
+        out = squishlike.compress(src, tmp_path / "g4", scheme="int4", awq=True, calibration_max_tokens=256)
     awq = NpyDir(out).manifest.extra["awq"]
     assert awq["applied"] is False and "gemma3_text" in awq["reason"]

@@ -106,7 +106,7 @@ def source_triples(source: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.n
 def test_compress_at_matching_bits_keeps_the_source_values(tmp_path, tokenizer_dir, fmt, scheme, bits):
     # bf16 as mlx-community models are (scales in the runtime dtype); group 32 where compress is asked for 64
     source = mlx_quantized(tmp_path, tokenizer_dir, dtype="bfloat16", q_bits=bits, q_group_size=32)
-    out = compress(source, tmp_path / "store", format=fmt, group_size=64, quantize_embeddings=True,
+    out = compress(source, tmp_path / "store", scheme=fmt, group_size=64, quantize_embeddings=True,
                    int3_gate=False)
     store = NpyDir(out)
     expected = source_triples(source)
@@ -128,14 +128,14 @@ def test_compress_at_matching_bits_keeps_the_source_values(tmp_path, tokenizer_d
 def test_compress_requantizes_scales_of_another_dtype(tmp_path, tokenizer_dir, dtype, repacked):
     """float32 scales cannot be stored in a bfloat16 store as they are: those tensors are quantized afresh."""
     source = mlx_quantized(tmp_path, tokenizer_dir, q_bits=4, q_group_size=64)  # float32 scales
-    store = NpyDir(compress(source, tmp_path / "store", format="int4", dtype=dtype))
+    store = NpyDir(compress(source, tmp_path / "store", scheme="int4", dtype=dtype))
     entries = [e for e in store.entries.values() if e.scheme == "int4"]
     assert entries and all(("repacked" in e.reason) == repacked for e in entries)
     assert all((e.error.rel_error == 0) == repacked for e in entries)
 
 
 def test_quantized_mlx_export_of_an_int4_store_writes_the_store_values(tmp_path, tiny_llama):
-    store = NpyDir(compress(tiny_llama, tmp_path / "store", format="int4", group_size=64, dtype="bfloat16"))
+    store = NpyDir(compress(tiny_llama, tmp_path / "store", scheme="int4", group_size=64, dtype="bfloat16"))
     out = export(store.path, "mlx", tmp_path / "mlx", quantize=True, q_bits=4, q_group_size=64)
     exported, names = source_triples(out), mlx_names(store)
     int4 = [name for name, e in store.entries.items() if e.scheme == "int4"]

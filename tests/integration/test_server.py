@@ -33,11 +33,11 @@ def root(smollm_gguf, tokenizer_dir, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("server")
     models, outside = root / "models", root / "outside"
     for fmt in ("int8", "int4"):
-        squishlike.compress(smollm_gguf, models / f"smol-{fmt}", format=fmt, dtype="float32", tiers=("finalized",),
+        squishlike.compress(smollm_gguf, models / f"smol-{fmt}", scheme=fmt, dtype="float32", tiers=("finalized",),
                             **ROUND_TO_NEAREST)
     for name, where in (("tiny", models), ("started-with", outside), ("secret", outside)):
         hf = make_hf_model(root / "hf" / name, TINY_CONFIGS["qwen2"], tokenizer_dir)
-        squishlike.compress(hf, where / name, format="int8", dtype="float32", tiers=("finalized",))
+        squishlike.compress(hf, where / name, scheme="int8", dtype="float32", tiers=("finalized",))
     (models / "link-out").symlink_to(outside / "secret")
     return root
 

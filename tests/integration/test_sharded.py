@@ -154,7 +154,7 @@ CASES = [  # (architecture, config, mode, store format, launch a second time)
 def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunch):
     src = make_hf_model(tmp_path / "src", config, tokenizer_dir)
     store_path = tmp_path / "store"
-    squishlike.compress(src, store_path, format=fmt, group_size=32, tiers=["finalized"])
+    squishlike.compress(src, store_path, scheme=fmt, group_size=32, tiers=["finalized"])
     store = NpyDir(store_path)
     expected = single_logits(squishlike.load(store_path)[0])
     reference = None
@@ -191,7 +191,7 @@ def test_inspect_and_verify_list_rank_shares(tiny_llama, tmp_path):
     from squishlike.info import inspect_model, verify
     from squishlike.tiers.rank import RankTier
 
-    store_path = squishlike.compress(tiny_llama, tmp_path / "store", format="int8", tiers=["finalized"])
+    store_path = squishlike.compress(tiny_llama, tmp_path / "store", scheme="int8", tiers=["finalized"])
     store = NpyDir(store_path)
     dense = {name: store.dequantize(name) for name in sorted(store.entries)[:2]}
     for key in ("pipeline-2-0", "tensor-2-0", "tensor-2-1"):
@@ -264,7 +264,7 @@ def generate_run(tmp_path_factory, tokenizer_dir) -> tuple[list[str], Path, str]
     tmp = tmp_path_factory.mktemp("generate")
     store_path = tmp / "store"
     squishlike.compress(make_hf_model(tmp / "src", TINY_CONFIGS["qwen2"], tokenizer_dir), store_path,
-                        format="int8", tiers=["finalized"])
+                        scheme="int8", tiers=["finalized"])
     command = [sys.executable, "-m", "squishlike", "generate", "--model", str(store_path), "--prompt",
                "The capital of France", "--max-tokens", "6", "--temp", "0", "--verbose", "False"]
     single = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=LAUNCH_TIMEOUT_S)

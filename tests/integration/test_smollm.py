@@ -18,7 +18,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def stores(smollm_gguf, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm")
     return {
-        fmt: squishlike.compress(smollm_gguf, root / fmt, format=fmt, tiers=("mlx", "finalized", "int8", "int4"),
+        fmt: squishlike.compress(smollm_gguf, root / fmt, scheme=fmt, tiers=("mlx", "finalized", "int8", "int4"),
                                   **ROUND_TO_NEAREST)
         for fmt in ("int8", "int4")
     }
@@ -56,7 +56,7 @@ def test_store_is_smaller_and_records_the_source(stores, smollm_gguf):
 def test_a_first_cpu_load_keeps_the_disk_within_the_budget(smollm_gguf, tmp_path, monkeypatch):
     """The default INT4 store on CPU: the cold path is as fast as any cache, so store plus caches stay <= 1.1x."""
     monkeypatch.setattr(order, "device_kind", lambda: "cpu")
-    out = squishlike.compress(smollm_gguf, tmp_path / "int4", format="int4", **ROUND_TO_NEAREST)
+    out = squishlike.compress(smollm_gguf, tmp_path / "int4", scheme="int4", **ROUND_TO_NEAREST)
     store_bytes = disk_bytes(out)
     model, tokenizer = squishlike.load(out)
     assert "Paris" in answer(model, tokenizer)

@@ -25,7 +25,7 @@ ALL = ("mlx", "finalized", "int8", "int4", "int3")
 
 
 def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path):
-    out = squishlike.compress(tiny_model, tmp_path / "int8", format="int8", tiers=ALL)
+    out = squishlike.compress(tiny_model, tmp_path / "int8", scheme="int8", tiers=ALL)
     reference, _ = mlx_lm.load(str(tiny_model))
 
     cold, tokenizer = squishlike.load(out)  # first load: cold path, builds every tier the policy names
@@ -40,7 +40,7 @@ def test_int8_every_tier_bit_identical_and_close_to_source(tiny_model, tmp_path)
 
 @pytest.mark.parametrize("fmt,group", [("int8", 64), ("int8", 128), ("int4", 64), ("int4", 32), ("int3", 32)])
 def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
-    out = squishlike.compress(tiny_llama, tmp_path / fmt, format=fmt, group_size=group, tiers=ALL, int3_gate=False)
+    out = squishlike.compress(tiny_llama, tmp_path / fmt, scheme=fmt, group_size=group, tiers=ALL, int3_gate=False)
     if fmt == "int3":  # the gate decides; force it open here to test the repack itself
         _open_int3_gate(out)
     cold, _ = squishlike.load(out)
@@ -56,7 +56,7 @@ def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
 def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
     """Group-wise INT8 is the default and its store's policy holds the 8-bit tier, which a GPU takes first; `row`
     keeps the per-row form, whose every tier is still bit-identical and which has no native tier."""
-    grouped = squishlike.compress(tiny_llama, tmp_path / "g64", format="int8")
+    grouped = squishlike.compress(tiny_llama, tmp_path / "g64", scheme="int8")
     store = NpyDir(grouped)
     assert store.manifest.policy.tiers == ("mlx", "int8")
     assert store.entries["layers.0.ffn.down.weight"].scheme == "int8g"
@@ -64,7 +64,7 @@ def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
     squishlike.load(grouped)
     assert load_weights(store).tier == (target(store).name if order.caches_by_default() else "cold")
 
-    per_row = squishlike.compress(tiny_llama, tmp_path / "row", format="int8", group_size="row", tiers=ALL)
+    per_row = squishlike.compress(tiny_llama, tmp_path / "row", scheme="int8", group_size="row", tiers=ALL)
     store = NpyDir(per_row)
     assert store.manifest.policy.tiers == ALL and store.manifest.group_size == 0
     assert store.entries["layers.0.ffn.down.weight"].scheme == "int8"
@@ -79,7 +79,7 @@ def test_prune_leaves_no_file_of_any_tier(tiny_llama, tmp_path):
     (Tier.sentinel, Tier.paths), and prune leaves none of them behind; the store is what compress wrote."""
     built = set()
     for fmt in ("int8", "int4", "int3"):  # each quantized tier needs a store of its own scheme
-        out = squishlike.compress(tiny_llama, tmp_path / fmt, format=fmt, tiers=("mlx", "finalized", fmt),
+        out = squishlike.compress(tiny_llama, tmp_path / fmt, scheme=fmt, tiers=("mlx", "finalized", fmt),
                                   int3_gate=False)
         if fmt == "int3":
             _open_int3_gate(out)
@@ -115,7 +115,7 @@ def _ready(store: NpyDir) -> set[str]:
 @pytest.mark.parametrize("device,first,second", [("cpu", "mlx", "finalized"), ("gpu", "int4", "mlx")])
 def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path, monkeypatch, device, first, second):
     monkeypatch.setattr(order, "device_kind", lambda: device)
-    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "finalized", "int4"))
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", tiers=("mlx", "finalized", "int4"))
     store = NpyDir(out)
     assert load_weights(store).tier == "cold"
     assert _ready(store) == {"mlx", "finalized", "int4"}  # a policy naming its tiers: the first load builds each
@@ -220,7 +220,7 @@ def test_gpu_store_read_refuses_damaged_parts(tiny_llama, tmp_path, monkeypatch)
 
 
 def test_forced_tier_not_ready_is_a_clear_error(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "int8", format="int8")
+    out = squishlike.compress(tiny_llama, tmp_path / "int8", scheme="int8")
     with pytest.raises(TierNotReadyError, match="tier 'finalized' is not ready"):
         squishlike.load(out, tier="finalized")
     with pytest.raises(ValueError, match="unknown tier"):
@@ -228,7 +228,7 @@ def test_forced_tier_not_ready_is_a_clear_error(tiny_llama, tmp_path):
 
 
 def test_load_options_match_mlx_lm(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "int8", format="int8")
+    out = squishlike.compress(tiny_llama, tmp_path / "int8", scheme="int8")
     model, tokenizer, config = squishlike.load(out, return_config=True, model_config={"rope_theta": 500.0})
     assert config["rope_theta"] == 500.0 and model.args.rope_theta == 500.0
     lazy_model, _ = squishlike.load(out, lazy=True)
@@ -238,7 +238,7 @@ def test_load_options_match_mlx_lm(tiny_llama, tmp_path):
 
 
 def test_passthrough_rules_recorded(tiny_llama, tmp_path):
-    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", passthrough=("layers.0.*",),
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", passthrough=("layers.0.*",),
                               quantize_embeddings=False)
     entries = NpyDir(out).entries
     assert entries["layers.0.attention.q.weight"].scheme == "passthrough"
@@ -257,7 +257,7 @@ def test_passthrough_rules_recorded(tiny_llama, tmp_path):
 
 def test_every_tensor_of_a_cache_file_starts_on_a_16k_boundary(tiny_llama, tmp_path):
     """So Metal can wrap a mapping of the file without a copy; mx.load (the CPU path) reads the gaps fine."""
-    out = squishlike.compress(tiny_llama, tmp_path / "int4", format="int4", tiers=("mlx", "int4"))
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", tiers=("mlx", "int4"))
     cold, _ = squishlike.load(out)
     for path in (out / "squish_weights.safetensors", out / "squish_4bit" / "model.safetensors"):
         raw = path.read_bytes()

@@ -185,7 +185,7 @@ def test_what_cannot_be_shown_identical_falls_back(tmp_path, caplog):
 
 def test_compress_keeps_the_facts_and_load_uses_them(tmp_path, monkeypatch):
     source = make_hf_model(tmp_path / "src", TINY_CONFIGS["llama"], make_tokenizer(tmp_path / "tok"))
-    store = squishlike.compress(source, tmp_path / "store", format="int8", tiers=("mlx",))
+    store = squishlike.compress(source, tmp_path / "store", scheme="int8", tiers=("mlx",))
     assert fast_tokenizer.FACTS_FILE in NpyDir(store).manifest.side_files
     expected = load_tokenizer(store, ARGUMENTS)
     monkeypatch.setattr(fast_tokenizer, "load_tokenizer", None)  # any fallback to mlx_lm fails the load
@@ -206,13 +206,13 @@ def test_an_auto_map_is_refused_only_when_its_class_needs_code(tmp_path):
     config["auto_map"] = {"AutoTokenizer": ["custom_tok.CustomTokenizer", None]}
     config_file.write_text(json.dumps(config))  # its tokenizer_class is transformers' own
     source = make_hf_model(tmp_path / "src", TINY_CONFIGS["llama"], tokenizer_dir)
-    store = squishlike.compress(source, tmp_path / "store", format="int8", tiers=("mlx",))
+    store = squishlike.compress(source, tmp_path / "store", scheme="int8", tiers=("mlx",))
     assert squishlike.load(store)[1].encode(CORPUS[2]) == load_tokenizer(source, ARGUMENTS).encode(CORPUS[2])
 
     config["tokenizer_class"] = "CustomTokenizer"
     (source / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(FormatError, match="custom_tok.CustomTokenizer") as refused:
-        squishlike.compress(source, tmp_path / "refused", format="int8")
+        squishlike.compress(source, tmp_path / "refused", scheme="int8")
     assert str(source) in str(refused.value)
     assert not (tmp_path / "refused").exists()
 

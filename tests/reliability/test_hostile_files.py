@@ -234,7 +234,7 @@ LINKS = [
 ACTIONS = {"load": lambda s, out: squishlike.load(s), "prune": lambda s, out: _prune(s),
            "verify": lambda s, out: _verify(s),
            "sharded_load": lambda s, out: _sharded(s),
-           "compress": lambda s, out: squishlike.compress(s, out, format="int8", tiers=()),
+           "compress": lambda s, out: squishlike.compress(s, out, scheme="int8", tiers=()),
            "export": lambda s, out: squishlike.export(s, "hf", out)}
 
 
@@ -295,7 +295,7 @@ def test_a_tier_copied_from_another_store_is_refused_and_rebuilt(base, tokenizer
     from squishlike.tiers import ORDER
 
     other_hf = make_hf_model(tmp_path / "other-hf", CRASH_CONFIG, tokenizer_dir, seed=7)
-    other = squishlike.compress(other_hf, tmp_path / "other", format="int4", group_size=32,
+    other = squishlike.compress(other_hf, tmp_path / "other", scheme="int4", group_size=32,
                                 tiers=("int4", "mlx", "finalized"), quantize_embeddings=False, awq=False, gptq=False,
                                 clip_search=False)
     squishlike.load(other)
@@ -354,6 +354,6 @@ def test_compress_never_locks_through_a_link(base, tmp_path):
         lock.unlink(missing_ok=True)
         lock.symlink_to(target)
         with pytest.raises(FormatError, match=re.escape(str(lock))):
-            squishlike.compress(base.hf, tmp_path / "out", format="int8", tiers=())
+            squishlike.compress(base.hf, tmp_path / "out", scheme="int8", tiers=())
         assert sorted(p.name for p in outside.iterdir()) == ["victim"]
         assert (outside / "victim").read_text() == "keep" and not (tmp_path / "out").exists()

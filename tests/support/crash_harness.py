@@ -44,7 +44,7 @@ CRASH_CONFIG = dict(
 )
 # Embeddings exact and no calibration: the trials need a store of a known layout and size (the disk-full limits
 # are sized for it), not its accuracy.
-COMPRESS_OPTS = dict(format="int4", group_size=32, tiers=["int4", "mlx", "finalized"], quantize_embeddings=False,
+COMPRESS_OPTS = dict(scheme="int4", group_size=32, tiers=["int4", "mlx", "finalized"], quantize_embeddings=False,
                      awq=False, gptq=False, clip_search=False)
 
 
@@ -118,7 +118,7 @@ def act(action: str, target: Path, scratch: Path) -> Any:
         return verify(target)
     elif action == "compress":
         # INT8 without calibration or tiers: the cheapest store that still reads every tensor of the source.
-        out = squishlike.compress(target, scratch / "compressed", format="int8", tiers=())
+        out = squishlike.compress(target, scratch / "compressed", scheme="int8", tiers=())
         problems = verify(out)
         return {"problems": problems} if problems else output_digest(out)
     elif action == "export":
@@ -513,7 +513,7 @@ class CrashLab:
         assert warm_tier != "cold" and warm == self.weights, "clean build: warm tier differs from cold"
         self.built = {k for k, v in ready_tiers(reference).items() if v}
         # An older, different good model (INT8, caches built) for --force runs to replace.
-        self.old_model = squishlike.compress(self.src, self.root / "old-int8", format="int8", tiers=("mlx",))
+        self.old_model = squishlike.compress(self.src, self.root / "old-int8", scheme="int8", tiers=("mlx",))
         load_in_process(self.old_model)
         self.old_digest = tree_digest(self.old_model)
         self.compress_seconds = self.load_seconds = 0.0

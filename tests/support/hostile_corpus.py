@@ -1137,7 +1137,7 @@ def build_base(root: Path, tokenizer_dir: Path) -> Base:
     hf = make_hf_model(root / "hf", CRASH_CONFIG, tokenizer_dir)
     # Embeddings exact (the cases edit a passthrough tensor's record) and no calibration: the cases need a store's
     # structure, not its accuracy.
-    npydir = squishlike.compress(hf, root / "npydir", format="int4", group_size=32, tiers=("int4", "mlx", "finalized"),
+    npydir = squishlike.compress(hf, root / "npydir", scheme="int4", group_size=32, tiers=("int4", "mlx", "finalized"),
                                  quantize_embeddings=False, awq=False, gptq=False, clip_search=False)
     built = shutil.copytree(npydir, root / "built")
     _, digest = load_in_process(built)

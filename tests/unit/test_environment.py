@@ -53,7 +53,7 @@ def test_one_convention(monkeypatch, name):
 def test_a_load_refuses_a_mistyped_switch(monkeypatch, tiny_llama, tmp_path):
     import squishlike
 
-    store = squishlike.compress(tiny_llama, tmp_path / "out", format="int8")
+    store = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int8")
     before = sorted(p.name for p in store.iterdir())
     monkeypatch.setenv("SQUISHLIKE_VERIFY", "yes")
     with pytest.raises(EnvironmentSwitchError, match="SQUISHLIKE_VERIFY=yes"):

@@ -44,7 +44,7 @@ def test_runs():
 def test_slices_equal_the_whole_tensor_cut(tmp_path, qwen2, fmt, group_size):
     """Any ascending indices along any axis, cuts inside a quantization group included: the same values as
     dequantizing the whole tensor and cutting it, and never more than the whole groups touched are read."""
-    squishlike.compress(qwen2, tmp_path / fmt, format=fmt, group_size=group_size, tiers=[], int3_gate=False)
+    squishlike.compress(qwen2, tmp_path / fmt, scheme=fmt, group_size=group_size, tiers=[], int3_gate=False)
     store = NpyDir(tmp_path / fmt)
     reader = SliceReader(store)
     for name in store.entries:
@@ -59,7 +59,7 @@ def test_slices_equal_the_whole_tensor_cut(tmp_path, qwen2, fmt, group_size):
 
 
 def test_rows_and_columns_read_only_their_bytes(tmp_path, qwen2):
-    squishlike.compress(qwen2, tmp_path / "int8", format="int8", group_size="row", tiers=[])
+    squishlike.compress(qwen2, tmp_path / "int8", scheme="int8", group_size="row", tiers=[])
     store = NpyDir(tmp_path / "int8")
     reader = SliceReader(store)
     rows, cols = store.entries["layers.0.ffn.up.weight"].shape
@@ -77,7 +77,7 @@ def _records(caplog) -> list[dict]:
 def test_tensor_shares_rebuild_the_model(tmp_path, qwen2, caplog):
     """Both ranks' shares, put back together along the axis each was cut, are the single-process weights; an INT4
     g128 store cut at column 64 of 128 (inside a group) included."""
-    squishlike.compress(qwen2, tmp_path / "store", format="int4", group_size=128, tiers=["finalized"])
+    squishlike.compress(qwen2, tmp_path / "store", scheme="int4", group_size=128, tiers=["finalized"])
     whole = flat_params(squishlike.load(tmp_path / "store")[0])
     caplog.set_level(logging.DEBUG, logger="squishlike")
     shares = [flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(r, 2))[0]) for r in range(2)]
@@ -93,7 +93,7 @@ def test_tensor_shares_rebuild_the_model(tmp_path, qwen2, caplog):
 
 
 def test_pipeline_stage_reads_its_layers_only(tmp_path, qwen2, caplog):
-    squishlike.compress(qwen2, tmp_path / "store", format="int8", tiers=[])
+    squishlike.compress(qwen2, tmp_path / "store", scheme="int8", tiers=[])
     caplog.set_level(logging.DEBUG, logger="squishlike")
     model, _ = squishlike.sharded_load(tmp_path / "store", pipeline_group=Group(0, 2))
     names = flat_params(model)
@@ -106,7 +106,7 @@ def test_pipeline_stage_reads_its_layers_only(tmp_path, qwen2, caplog):
 
 
 def test_rank_tier_is_taken_checked_and_rebuilt(tmp_path, qwen2, caplog):
-    squishlike.compress(qwen2, tmp_path / "store", format="int8", tiers=[])
+    squishlike.compress(qwen2, tmp_path / "store", scheme="int8", tiers=[])
     caplog.set_level(logging.DEBUG, logger="squishlike")
     first = flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(1, 2))[0])
     share = tmp_path / "store" / "shards" / "tensor-2-1"
@@ -161,7 +161,7 @@ def test_rank_tier_with_overlapping_offsets_is_refused_naming_its_file(tmp_path,
     from squishlike.errors import FormatError
     from squishlike.tiers.rank import RankTier
 
-    squishlike.compress(qwen2, tmp_path / "store", format="int8", tiers=[])
+    squishlike.compress(qwen2, tmp_path / "store", scheme="int8", tiers=[])
     first = flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(1, 2))[0])
     share = tmp_path / "store" / "shards" / "tensor-2-1"
     weights = share / "weights.safetensors"
@@ -187,7 +187,7 @@ def test_rank_tier_with_overlapping_offsets_is_refused_naming_its_file(tmp_path,
 
 def test_models_without_sharding_are_refused_as_mlx_lm_refuses_them(tmp_path, tokenizer_dir):
     src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
-    squishlike.compress(src, tmp_path / "store", format="int8", tiers=[])
+    squishlike.compress(src, tmp_path / "store", scheme="int8", tiers=[])
     with pytest.raises(ValueError, match="does not support tensor parallelism"):
         squishlike.sharded_load(tmp_path / "store", tensor_group=Group(0, 2))
     with pytest.raises(ValueError, match="does not support any sharding"):
