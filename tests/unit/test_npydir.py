@@ -80,8 +80,8 @@ def stores(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("npydir")
     src = make_hf_model(root / "src", TINY_CONFIGS["llama"], tokenizer_dir)
-    options = {"int8": {"format": "int8", "group_size": "row"}, "int8g": {"format": "int8"},
-               "int4": {"format": "int4"}, "int3": {"format": "int3"}}  # by the scheme they store
+    options = {"int8": {"scheme": "int8", "group_size": "row"}, "int8g": {"scheme": "int8"},
+               "int4": {"scheme": "int4"}, "int3": {"scheme": "int3"}}  # by the scheme they store
     return {
         scheme: squishlike.compress(src, root / scheme, int3_gate=False, passthrough=("layers.0.*",), **kwargs)
         for scheme, kwargs in options.items()
