@@ -20,6 +20,8 @@ import contextlib
 import json
 import math
 import shutil
+from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +42,19 @@ from .mlx import ALIGN, METADATA, load_safetensors
 from .order import from_store_here
 
 WEIGHTS = "model.safetensors"
+
+
+class _StoredPart(NamedTuple):
+    """One stored part as from_store reads it: its file, whose part it is, its NumPy dtype and shape at rest (what
+    its header must declare), and the MLX dtype and shape the tier's model takes it as."""
+
+    path: Path
+    name: str
+    suffix: str
+    stored: np.dtype
+    stored_shape: tuple[int, ...]
+    dtype: mx.Dtype
+    shape: list[int]
 
 
 class QuantizedTier(Tier):
@@ -93,34 +108,33 @@ class QuantizedTier(Tier):
         (IntegrityError naming a damaged one), so the values are those compress wrote."""
         if verify:
             check_files(store.path, store.file_records(), every=True)
-        parts = self._parts(store)
+        names = mlx_names(store)
+        parts = self._parts(store, names)
         if not lazy:
-            prefetch([path for path, *_ in parts.values()])
-        sizes = {key: math.prod(spec[1]) * spec[0].itemsize for key, (_, _, _, spec, _) in parts.items()}
+            prefetch([part.path for part in parts.values()])
+        sizes = {key: math.prod(part.stored_shape) * part.stored.itemsize for key, part in parts.items()}
         try:
-            raw = load_each_parallel(lambda key, stream: mx.load(str(parts[key][0]), stream=stream), sizes, lazy=lazy)
-            wrong = any(tuple(raw[k].shape) != spec[1] or raw[k].dtype != _AT_REST[spec[0]]
-                        for k, (_, _, _, spec, _) in parts.items())
+            raw = load_each_parallel(lambda key, stream: mx.load(str(parts[key].path), stream=stream), sizes, lazy=lazy)
+            wrong = any(tuple(raw[key].shape) != part.stored_shape or raw[key].dtype != _AT_REST[part.stored]
+                        for key, part in parts.items())
         except (RuntimeError, ValueError):  # MLX read a header it could not parse, or a file shorter than its data
             wrong = True
         if wrong:  # the strict reader names the part and what is wrong with it
-            for _, name, suffix, _, _ in parts.values():
-                store.checked_part(name, suffix)
+            for part in parts.values():
+                store.checked_part(part.name, part.suffix)
             raise FormatError(store.path, "a stored part could not be read")
         runtime = MX_DTYPES[store.runtime_dtype]
-        weights = {key: raw[key].view(dtype).reshape(shape) for key, (*_, (dtype, shape)) in parts.items()}
+        weights = {key: raw[key].view(part.dtype).reshape(part.shape) for key, part in parts.items()}
         weights = {key: a if a.dtype in (mx.uint32, runtime) else a.astype(runtime) for key, a in weights.items()}
-        names = mlx_names(store)
         for name, entry in store.entries.items():
             if entry.scheme != self.scheme and entry.kind.quantized:
                 weights[names[name]] = mx.array(store.dequantize(name)).view(runtime)
         return Loaded(weights, self.config(store), self.name)
 
-    def _parts(self, store: NpyDir) -> dict[str, tuple]:
-        """mlx_lm parameter name -> (the part's file, its canonical name and suffix, its NumPy dtype and shape at
-        rest, the MLX dtype and shape it is read as) for each part of the tier's scheme and each tensor stored
-        exactly."""
-        names, parts = mlx_names(store), {}
+    def _parts(self, store: NpyDir, names: dict[str, str]) -> dict[str, _StoredPart]:
+        """mlx_lm parameter name -> the part read as it, for each part of the tier's scheme and each tensor stored
+        exactly (`names`: canonical name -> mlx_lm name)."""
+        parts = {}
         for name, entry in store.entries.items():
             if not entry.kind.quantized:
                 read_as = {entry.kind.suffixes[0]: (MX_DTYPES[entry.stored_dtype], list(entry.shape))}
@@ -134,9 +148,10 @@ class QuantizedTier(Tier):
                 keys = (f"{prefix}.weight", f"{prefix}.scales", f"{prefix}.biases")
             else:
                 continue
-            for key, (suffix, read) in zip(keys, read_as.items()):
+            for key, (suffix, (dtype, shape)) in zip(keys, read_as.items()):
                 stored, stored_shape = entry.part_spec(suffix)
-                parts[key] = (store.part_path(name, suffix), name, suffix, (stored, tuple(stored_shape)), read)
+                parts[key] = _StoredPart(store.part_path(name, suffix), name, suffix, stored, tuple(stored_shape),
+                                         dtype, shape)
         return parts
 
     def config(self, store: NpyDir) -> dict:
