@@ -357,12 +357,13 @@ fn gptq_group(
     scales: &Bound<'_, PyAny>,
     biases: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    match scheme {
-        "int4" => gptq_affine::<Int4>(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases),
-        "int3" => gptq_affine::<Int3>(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases),
-        "int8g" => gptq_affine::<Int8g>(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases),
-        _ => Err(value_error(format!("scheme {scheme:?} has no GPTQ; use int4, int3 or int8g"))),
-    }
+    let run = match scheme {
+        "int4" => gptq_affine::<Int4>,
+        "int3" => gptq_affine::<Int3>,
+        "int8g" => gptq_affine::<Int8g>,
+        _ => return Err(value_error(format!("scheme {scheme:?} has no GPTQ; use int4, int3 or int8g"))),
+    };
+    run(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases)
 }
 
 #[allow(clippy::too_many_arguments)]
