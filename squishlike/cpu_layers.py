@@ -1,0 +1,71 @@
+"""Quantized layers that are fast on `mlx[cpu]`: what a squishlike store's quantized model runs on a CPU.
+
+MLX 0.32's CPU `quantized_matmul` is fast in float32 only. Measured on this project's 2-core VM with one 8960x1536
+layer, groups of 64 (docs/design.md §6.5): one row of input took 12.5 ms in float32 against 108 ms in bfloat16
+(a bf16 dense matvec: 10.6 ms); 64 rows took 834 ms in float32, 6.2 s in bfloat16, and 362 ms to dequantize the
+layer and run one bf16 matmul. So a quantized layer here
+
+- runs a few rows (a generated token) through `quantized_matmul` in float32 and casts the result back: as fast as
+  the dense model's matvec, at the quantized weights' memory;
+- runs a prompt (ROWS rows or more) as one matmul of its weight dequantized to the activations' dtype: near the
+  dense model's prompt pass, and only one layer's dense weight alive at a time.
+
+Both are nearer the float32 product than bf16 `quantized_matmul` (whose accumulation in bf16 loses most).
+
+The layers are `nn.QuantizedLinear` and `nn.QuantizedEmbedding` with the same parameters (mlx_lm's code that
+checks `isinstance`, saves or fuses them keeps working); only their matmul differs, so their outputs are not
+bit-identical to mlx_lm's model of the same weights. They serve squishlike's own stores; a quantized MLX
+directory loads as mlx_lm loads it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# From this many rows of input on, dequantizing the weight for one dense matmul is faster than float32
+# quantized_matmul, which costs the same for every row (crossover measured at 7-8 rows on the layer above).
+ROWS = 8
+
+
+def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
+    """x @ layer's weight.T, the fast way for x's number of rows on mlx[cpu]."""
+    biases = layer.get("biases")
+    if x.size // x.shape[-1] >= ROWS:
+        weight = mx.dequantize(layer.weight, layer.scales, biases, layer.group_size, layer.bits, mode=layer.mode)
+        return x @ weight.astype(x.dtype).T
+    product = mx.quantized_matmul(x.astype(mx.float32), layer.weight, layer.scales, biases, transpose=True,
+                                  group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    return product.astype(x.dtype)
+
+
+class CpuQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear with mlx[cpu]'s fast matmuls (module doc)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _quantized_product(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose use as the output head (a tied embedding) has mlx[cpu]'s fast matmuls."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _quantized_product(self, x)
+
+
+_CPU_CLASS = {nn.QuantizedLinear: CpuQuantizedLinear, nn.QuantizedEmbedding: CpuQuantizedEmbedding}
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Give `model`'s quantized linear and embedding layers mlx[cpu]'s fast matmuls, in place; the number changed.
+
+    Each layer's class is switched rather than the layer rebuilt: the subclasses add no state, and building a
+    QuantizedLinear quantizes a random weight first. Layers of any other class (a model's own, the MoE expert
+    stacks) are left as they are."""
+    changed = 0
+    for _, module in model.named_modules():
+        if (cpu_class := _CPU_CLASS.get(type(module))) is not None:
+            module.__class__ = cpu_class
+            changed += 1
+    return changed

@@ -1,0 +1,91 @@
+"""The quantized layers a store's model runs on mlx[cpu] (squishlike/cpu_layers.py): the same parameters as MLX's,
+a generated token through float32 quantized_matmul, a prompt through one dense matmul of the dequantized weight,
+and both at least as near the float32 product as bf16 quantized_matmul."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from squishlike.cpu_layers import ROWS, CpuQuantizedEmbedding, CpuQuantizedLinear, use_cpu_kernels
+
+
+def quantized_linear(bits: int, bias: bool) -> nn.QuantizedLinear:
+    mx.random.seed(bits)
+    linear = nn.Linear(512, 192, bias=bias)
+    linear.set_dtype(mx.bfloat16)
+    return nn.QuantizedLinear.from_linear(linear, group_size=64, bits=bits)
+
+
+def float32_product(layer, x: mx.array) -> mx.array:
+    weight = mx.dequantize(layer.weight, layer.scales, layer.get("biases"), layer.group_size, layer.bits)
+    return x.astype(mx.float32) @ weight.astype(mx.float32).T
+
+
+def switched(layer: nn.Module) -> nn.Module:
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+    holder = Holder()
+    assert use_cpu_kernels(holder) == 1
+    return holder.layer
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("rows", [1, ROWS - 1, ROWS, 64])
+def test_linear_takes_the_fast_product_for_its_rows(bits, rows):
+    mlx_layer = quantized_linear(bits, bias=True)
+    x = mx.random.normal((1, rows, 512)).astype(mx.bfloat16)
+    mlx_out = mlx_layer(x)
+    before = dict(tree_flatten(mlx_layer.parameters()))
+    layer = switched(mlx_layer)
+    assert isinstance(layer, CpuQuantizedLinear) and isinstance(layer, nn.QuantizedLinear)
+    after = dict(tree_flatten(layer.parameters()))
+    assert before.keys() == after.keys() and all(same_bits(before[k], after[k]) for k in before)
+
+    out = layer(x)
+    args = (layer.weight, layer.scales, layer["biases"])
+    if rows < ROWS:  # a generated token: quantized_matmul in float32, cast back
+        expected = mx.quantized_matmul(x.astype(mx.float32), *args, transpose=True, group_size=64, bits=bits)
+    else:  # a prompt: one matmul of the weight dequantized to the activations' dtype
+        expected = x @ mx.dequantize(*args, group_size=64, bits=bits).T
+    assert same_bits(out, (expected.astype(mx.bfloat16) + layer["bias"]).astype(mx.bfloat16))
+
+    truth = float32_product(layer, x) + layer["bias"].astype(mx.float32)
+    error = mx.abs(out.astype(mx.float32) - truth).max().item()
+    mlx_error = mx.abs(mlx_out.astype(mx.float32) - truth).max().item()
+    assert error <= mlx_error
+
+
+def test_tied_head_takes_the_fast_product():
+    mx.random.seed(0)
+    embedding = nn.Embedding(1000, 128)
+    embedding.set_dtype(mx.bfloat16)
+    mlx_layer = nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=4)
+    ids = mx.array([[1, 5, 999]])
+    prompts = [mx.random.normal((1, rows, 128)).astype(mx.bfloat16) for rows in (1, ROWS)]
+    mlx_rows, mlx_heads = mlx_layer(ids), [mlx_layer.as_linear(x) for x in prompts]
+    layer = switched(mlx_layer)
+    assert isinstance(layer, CpuQuantizedEmbedding)
+    assert same_bits(layer(ids), mlx_rows)  # the lookup is MLX's own
+    for x, mlx_head in zip(prompts, mlx_heads):
+        truth = float32_product(layer, x)
+        head = layer.as_linear(x)
+        assert head.dtype == mx.bfloat16
+        error = mx.abs(head.astype(mx.float32) - truth).max().item()
+        assert error <= mx.abs(mlx_head.astype(mx.float32) - truth).max().item()
+
+
+def test_only_mlx_quantized_layers_change():
+    model = nn.Sequential(nn.Linear(64, 64), quantized_linear(4, bias=False), nn.LayerNorm(64))
+    assert use_cpu_kernels(model) == 1
+    assert [type(m) for m in model.layers] == [nn.Linear, CpuQuantizedLinear, nn.LayerNorm]
+    assert use_cpu_kernels(model) == 0  # already switched
