@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .npydir import NpyDir, is_npydir
 from .hub import resolve
 from .tiers.load import load_weights
+from .tiers import order
 from .tiers.prepare import prepare_memory, release_memory
 
 if TYPE_CHECKING:
@@ -46,10 +47,11 @@ def load(
     """Load a model and its tokenizer; same arguments and result as `mlx_lm.load`, plus `tier=`.
 
     `tier` forces one tier of an npy-dir ("int4", "int8", "int3", "mlx", "finalized", "cold"); a forced tier
-    that is not ready raises TierNotReadyError (one its policy names but never built is built first). Without it the first
-    ready tier in this device's order wins (quantized first on a GPU, dense first on mlx[cpu]: docs/format.md §9),
-    and the first load of a fresh npy-dir builds that tier from the store for every later process, returning the
-    same model they will.
+    that is not ready raises TierNotReadyError (one its policy names but never built is built first). Without it
+    the first ready tier in this device's order wins: the store's own quantized tier, read straight from its parts
+    with nothing written (docs/format.md §9); a store whose policy names its tiers (compress --tiers) has them
+    built by its first load, for every later process. On mlx[cpu] the quantized layers take its fast matmuls
+    (squishlike/cpu_layers.py).
     The first load checks every store file against the manifest's fast hash (XXH3; SHA-256 in a store written
     before XXH3 was recorded), so a damaged store fails naming the file and never becomes a cache.
 
@@ -78,6 +80,10 @@ def load(
 
         config = loaded.config
         model, tokenizer = assemble(config, loaded.weights, store.path, store.path, **options)
+        if order.device_kind() == "cpu":  # a store's quantized layers take mlx[cpu]'s fast matmuls (cpu_layers.py)
+            from .cpu_layers import use_cpu_kernels
+
+            use_cpu_kernels(model)
     else:
         if tier is not None:
             raise ValueError(f"{path_or_hf_repo}: tier= applies to squishlike npy-dirs only (see `squishlike compress`)")

@@ -1,12 +1,13 @@
-"""Which cache tier serves a load on the device at hand: the one that makes time to first token shortest.
+"""Which cache tier serves a load on the device at hand: the one that makes time to first token shortest, at the
+least memory.
 
 Load time alone would always pick the int4 tier (it reads a quarter of the bytes), but what follows the load
-decides: MLX's quantized matmul is fast on Metal and CUDA, and slow on `mlx[cpu]`. Measured on this project's
-Linux `mlx[cpu]` VM with a 1.5B Qwen2.5 model (docs/design.md §6.3): 0.12 tokens/s generated from the int4 tier
-against 0.78 from the bf16 mlx tier, prompt processing 0.11 against 1.7 tokens/s, so a time to first token ~10x
-worse from int4 although it loads fastest. On a GPU the quantized tiers also read and hold 4x fewer bytes, and
-the matmuls that bound generation read them too: on an NVIDIA H200 with `mlx[cuda]` (§6.4), 201 tokens/s from the
-int4 tier against 183 from the bf16 model, and an in-process load of 0.46 s against 0.88 s.
+decides. MLX's quantized matmul is fast on Metal and CUDA: on an NVIDIA H200 with `mlx[cuda]` (docs/design.md
+§6.4), 201 tokens/s from the int4 tier against 183 from the bf16 model, and an in-process load of 0.46 s against
+0.88 s. On `mlx[cpu]` it is fast in float32 only, and slow in bf16 (0.12 tokens/s generated from mlx_lm's int4
+model of the 1.5B shape against 0.78 from bf16, §6.3); a store's quantized layers on a CPU therefore run float32
+for generated tokens and a dequantized dense matmul for the prompt (squishlike/cpu_layers.py, §6.5), which keeps
+the quantized tiers as fast as the bf16 ones there at a quarter of their memory.
 
 PREFERENCE keeps that data: by MLX device type (`mx.default_device().type`, where the model runs), the tier names
 fastest first. A tier not named there goes last, in registry order; a new tier adds its name to each row.
@@ -15,7 +16,7 @@ CACHES says whether, by default, a first load writes the tier it would take at a
 disk where loading it is measurably faster than the cold path reading the store itself (docs/design.md §4.4).
 
 FROM_STORE says whether the quantized tiers are read straight from the store's parts instead of from a built copy:
-the store holds them in MLX's own packing, so where they come first (a GPU) the store is the quantized model and no
+the store holds them in MLX's own packing, so where they come first the store is the quantized model and no
 second copy of the weights is written.
 """
 
@@ -29,12 +30,12 @@ from .base import Tier
 
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "gpu": ("int4", "int8", "int3", "mlx", "finalized"),
-    "cpu": ("mlx", "finalized", "int4", "int8", "int3"),
+    "cpu": ("int4", "int8", "int3", "mlx", "finalized"),
 }
 WHY: dict[str, str] = {
     "gpu": "quantized matmul is fast on the GPU, and the quantized tiers read a quarter of the bytes",
-    "cpu": "quantized matmul is slow on mlx[cpu] (measured ~6x slower generation, ~10x slower first token than "
-           "bf16), so the dense tiers come first",
+    "cpu": "a store's quantized layers run mlx[cpu]'s fast matmuls (float32 for generated tokens, dense for the "
+           "prompt), as fast as the bf16 tiers at a quarter of the memory",
 }
 
 # On mlx[cpu] the cold path (Rust dequantization of an INT4 store at memory speed) loaded the 1.5B-shaped model
@@ -42,8 +43,8 @@ WHY: dict[str, str] = {
 # 4.95 s), while the tier took 2.6x the store's disk. On a GPU the quantized tier loads as QuantizedLinear.
 CACHES: dict[str, bool] = {"gpu": True, "cpu": False}
 # Reading the parts straight from the store loaded the 1.5B-shaped INT4 model on mlx[cpu] within noise of the built
-# int4 tier's one file (benchmarks/bench_from_store.py); on CPU the quantized tiers are only loaded when forced.
-FROM_STORE: dict[str, bool] = {"gpu": True, "cpu": False}
+# int4 tier's one file (benchmarks/bench_from_store.py).
+FROM_STORE: dict[str, bool] = {"gpu": True, "cpu": True}
 
 
 def caches_by_default(device: str | None = None) -> bool:

@@ -13,6 +13,7 @@ from support.options import ROUND_TO_NEAREST
 from support.tiny_models import assert_same_weights, cosine, disk_bytes, logits
 
 import squishlike
+from squishlike.cpu_layers import CpuQuantizedLinear, use_cpu_kernels
 from squishlike.errors import TierNotReadyError
 from squishlike.npydir import NpyDir
 from squishlike.tiers import BY_NAME, ORDER, order, target
@@ -50,7 +51,10 @@ def test_quantized_tier_is_lossless_repack(tiny_llama, tmp_path, fmt, group):
     assert_same_weights(cold, squishlike.load(out, tier="mlx")[0])
     # The quantized tier is a complete mlx_lm model directory.
     via_mlx_lm, _ = mlx_lm.load(str(out / f"squish_{fmt[-1]}bit"))
-    assert mx.allclose(logits(via_mlx_lm, TOKENS), logits(quantized, TOKENS)).item()
+    assert_same_weights(via_mlx_lm, quantized)
+    if order.device_kind() == "cpu":  # the same layers as squishlike's model (cpu_layers.py), so the same outputs
+        use_cpu_kernels(via_mlx_lm)
+    assert mx.array_equal(logits(via_mlx_lm, TOKENS), logits(quantized, TOKENS)).item()
 
 
 def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
@@ -62,7 +66,8 @@ def test_int8_default_policy_and_per_row_form(tiny_llama, tmp_path):
     assert store.entries["layers.0.ffn.down.weight"].scheme == "int8g"
     assert next(t.name for t in ordered(ORDER, "gpu") if t.wanted(store)) == "int8"
     squishlike.load(grouped)
-    assert load_weights(store).tier == (target(store).name if order.caches_by_default() else "cold")
+    assert load_weights(store).tier == "int8"  # read from the store: nothing was built
+    assert _ready(store) == set()
 
     per_row = squishlike.compress(tiny_llama, tmp_path / "row", scheme="int8", group_size="row", tiers=ALL)
     store = NpyDir(per_row)
@@ -112,7 +117,7 @@ def _ready(store: NpyDir) -> set[str]:
     return {t.name for t in ORDER if t.ready(store)[0] is not None}
 
 
-@pytest.mark.parametrize("device,first,second", [("cpu", "mlx", "finalized"), ("gpu", "int4", "mlx")])
+@pytest.mark.parametrize("device,first,second", [("cpu", "int4", "mlx"), ("gpu", "int4", "mlx")])
 def test_decision_tree_order_and_stale_sentinels(tiny_llama, tmp_path, monkeypatch, device, first, second):
     monkeypatch.setattr(order, "device_kind", lambda: device)
     out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", tiers=("mlx", "finalized", "int4"))
@@ -149,12 +154,11 @@ def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monke
     store_bytes = disk_bytes(out)
     with caplog.at_level(logging.INFO, logger="squishlike"):
         first, _ = squishlike.load(out)
-    # No cache is faster than the store itself on CPU, and on a GPU the store is the int4 model: nothing written.
+    # On either device the store is the int4 model: nothing written.
     assert [r for r in caplog.records if "wrote the cache tier" in r.getMessage()] == []
     assert _ready(NpyDir(out)) == set() and disk_bytes(out) <= 1.1 * store_bytes
-    tier = "cold" if device == "cpu" else "int4"
     later, _ = squishlike.load(out)
-    assert load_weights(NpyDir(out)).tier == tier
+    assert load_weights(NpyDir(out)).tier == "int4"
     assert _ready(NpyDir(out)) == set()
     assert load_weights(NpyDir(out), tier="mlx").tier == "mlx"  # a forced tier of the policy is built on demand
     assert "mlx" in _ready(NpyDir(out))
@@ -163,24 +167,26 @@ def test_first_and_later_loads_return_the_same_model(tiny_llama, tmp_path, monke
         return [(path, type(m)) for path, m in model.named_modules()]
 
     assert classes(first) == classes(later)
-    assert any(cls is nn.QuantizedLinear for _, cls in classes(first)) == (device == "gpu")
+    # On mlx[cpu] the layers take its fast matmuls (cpu_layers.py); a GPU runs MLX's own.
+    assert any(cls is (CpuQuantizedLinear if device == "cpu" else nn.QuantizedLinear) for _, cls in classes(first))
     assert mx.array_equal(logits(first, TOKENS), logits(later, TOKENS)).item()
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 64), ("int4", 32), ("int8", 64), ("int3", 32)])
-def test_gpu_reads_the_quantized_tier_from_the_store(tiny_llama, tmp_path, monkeypatch, fmt, group):
-    """Where the quantized tiers come first (a GPU), the store is the quantized model: its parts are read as MLX's
-    arrays, bit for bit what the built tier holds, and no second copy of the weights is written."""
+def test_quantized_tier_is_read_from_the_store(tiny_llama, tmp_path, monkeypatch, fmt, group):
+    """The quantized tiers come first on every device, and the store is the quantized model: its parts are read as
+    MLX's arrays, bit for bit what the built tier holds, and no second copy of the weights is written."""
     out = squishlike.compress(tiny_llama, tmp_path / fmt, scheme=fmt, group_size=group, int3_gate=False,
                               passthrough=("layers.1.mlp.*",), **ROUND_TO_NEAREST)
     if fmt == "int3":
         _open_int3_gate(out)
     built = BY_NAME[fmt]
     assert NpyDir(out).manifest.policy.tiers == ("mlx", fmt)  # the default policy: mlx and the native tier
-    squishlike.load(out, tier=built.name)  # on CPU: a forced tier the policy names is built
+    with monkeypatch.context() as m:  # a device that builds its quantized tiers, for the copy to compare with
+        m.setitem(order.FROM_STORE, order.device_kind(), False)
+        squishlike.load(out, tier=built.name)  # a forced tier the policy names is built
     store = NpyDir(out)
     from_built = built.load(store)
-    monkeypatch.setattr(order, "device_kind", lambda: "gpu")
     built.remove(store)
     before = _files(out)
     loaded = load_weights(store)
@@ -194,12 +200,11 @@ def test_gpu_reads_the_quantized_tier_from_the_store(tiny_llama, tmp_path, monke
     assert squishlike.load(out, tier=built.name)[0] is not None and _files(out) == before  # forced: from the store
 
 
-def test_gpu_store_read_refuses_damaged_parts(tiny_llama, tmp_path, monkeypatch):
+def test_store_read_refuses_damaged_parts(tiny_llama, tmp_path):
     """Read from the store, a part is checked as a built tier's file is: its size and its header against the
     manifest at every load, and with verify every hash the manifest records."""
     from squishlike.errors import FormatError, IntegrityError
 
-    monkeypatch.setattr(order, "device_kind", lambda: "gpu")
     out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", **ROUND_TO_NEAREST)
     store = NpyDir(out)
     entry = store.entries["layers.0.attention.q.weight"]
@@ -272,5 +277,6 @@ def test_every_tensor_of_a_cache_file_starts_on_a_16k_boundary(tiny_llama, tmp_p
     # A tier file packed the old way (no gaps) is not the one this tier wrote: damaged, skipped, rebuilt.
     packed = out / "squish_weights.safetensors"
     mx.save_safetensors(str(packed), mx.load(str(packed)), metadata={"format": "mlx"})
+    BY_NAME["int4"].remove(NpyDir(out))  # the tier a load takes before mlx
     with pytest.warns(UserWarning, match="tier mlx is damaged"):
         assert load_weights(NpyDir(out)).tier == "cold"
