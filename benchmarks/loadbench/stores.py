@@ -75,8 +75,8 @@ def tier_files(store: Path, tier: str) -> list[Path]:
     """The files a load from `tier` reads (weights only; config and tokenizer files are a few MB)."""
     if tier == "mlx":
         return [store / "squish_weights.safetensors"]
-    if tier in ("int4", "int8", "int3"):
-        return sorted((store / f"squish_{tier[-1]}bit").glob("*.safetensors"))
+    if tier in ("int4", "int8", "int3"):  # the built tier, or the store's parts it is read from (order.FROM_STORE)
+        return sorted((store / f"squish_{tier[-1]}bit").glob("*.safetensors")) or tier_files(store, "cold")
     if tier == "finalized":
         return sorted((store / "finalized").glob("*.npy"))
     return sorted((store / "tensors").glob("*.npy"))
