@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from squishlike.loadtime import measure_load, run_child
+from squishlike.tiers.order import device_kind
 
 from .models import build_mlx_lm_conversion, build_qwen_like, build_smollm_source
 from .pagecache import evict, prime_memory, warm
@@ -213,10 +214,11 @@ def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False,
     for group in GROUPS:
         members = [c for c in configs if c.group == group or (group, c.group) in (("warm", "floor"), ("cold", "disk"))]
         count = 1 if group == "compress" and quick else runs
-        if group == "ttft":
+        if group == "ttft" and device_kind() != "cpu":
             # A kernel's first use on a machine compiles it, and MLX caches the result on disk (on CUDA, NVRTC's
             # output under /tmp/mlx/<version>/ptx: 11 s for the bf16 model's kernels on an H200, 31 s more for the
             # 4-bit ones). Whichever figure ran first would pay that for the others; one untimed round pays it.
+            # mlx[cpu] keeps no such cache across processes, and its 4-bit first token is minutes on a 1.5B model.
             for c in members:
                 c._run()
                 log(f"  [{group} warm-up] {c.label:59} (untimed: compiles and caches the kernels)")
