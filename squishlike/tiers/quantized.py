@@ -81,6 +81,8 @@ class QuantizedTier(Tier):
     def nbytes(self, store: NpyDir) -> int:
         with contextlib.suppress(OSError):
             return (store.path / self.directory / WEIGHTS).stat().st_size
+        if self.serves_from_store(store):  # about what from_store reads: the store's parts
+            return sum(record.size for record in store.part_files().values())
         return 0
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:

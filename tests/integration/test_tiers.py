@@ -280,3 +280,19 @@ def test_every_tensor_of_a_cache_file_starts_on_a_16k_boundary(tiny_llama, tmp_p
     BY_NAME["int4"].remove(NpyDir(out))  # the tier a load takes before mlx
     with pytest.warns(UserWarning, match="tier mlx is damaged"):
         assert load_weights(NpyDir(out)).tier == "cold"
+
+
+def test_memory_reserved_ahead_is_what_the_store_read_fills(tiny_llama, tmp_path, monkeypatch):
+    """A load that reads its quantized tier from the store reserves about the parts' bytes ahead, not the dense
+    model's: a dense-sized reservation would be faulted-in memory the load never fills."""
+    from squishlike import memory
+    from squishlike.tiers.base import runtime_bytes
+    from squishlike.tiers.prepare import prepare_memory
+
+    out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", **ROUND_TO_NEAREST)
+    store = NpyDir(out)
+    asked = []
+    monkeypatch.setattr(memory, "reserve", lambda nbytes: asked.append(nbytes) or False)
+    prepare_memory(store)
+    parts = sum(record.size for record in store.part_files().values())
+    assert asked == [parts] and parts < runtime_bytes(store) / 2
