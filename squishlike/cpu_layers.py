@@ -32,7 +32,10 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
     """x @ layer's weight.T, the fast way for x's number of rows on mlx[cpu]."""
     biases = layer.get("biases")
     if x.size // x.shape[-1] >= ROWS:
-        weight = mx.dequantize(layer.weight, layer.scales, biases, layer.group_size, layer.bits, mode=layer.mode)
+        # Dequantized only once x is computed: otherwise MLX may schedule every layer's dequantize first, and the
+        # prompt pass would hold much of the dense model at once.
+        (codes,) = mx.depends([layer.weight], [x])
+        weight = mx.dequantize(codes, layer.scales, biases, layer.group_size, layer.bits, mode=layer.mode)
         return x @ weight.astype(x.dtype).T
     product = mx.quantized_matmul(x.astype(mx.float32), layer.weight, layer.scales, biases, transpose=True,
                                   group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
