@@ -269,11 +269,7 @@ def _neutral(annotation) -> object:
 
 
 # Swept types that fail a check today, and how: each runs as a strict xfail, so a fix shows.
-KNOWN_FAILING: dict[str, str] = {
-    # Not diagnosed yet (found in the last run of this change): below mlx_lm's own 4-bit by more than the slack.
-    "glm4": "INT4 store's top-1 agreement with the source is 0.82, mlx_lm's own 4-bit 0.885",
-    "minimax_m3_vl": "INT4 store's top-1 agreement with the source is 0.77, mlx_lm's own 4-bit 0.90",
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 # The types whose generated config (with its OVERRIDES) builds.
 GENERATED = (
