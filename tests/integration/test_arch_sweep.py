@@ -4,13 +4,14 @@ For each: squishlike.load(src) has mlx_lm.load(src)'s parameters bit for bit; an
 bit-identically from every tier, and each is mlx_lm's model of the source with weights no further from the
 source's than mlx_lm's own quantization puts them:
 - every weight, by name, is within the error mlx_lm's quantization of that tensor has at the store's bits and group
-  size (`mx.quantize`), and exact (to float rounding) where that quantization cannot take it;
+  size (`mx.quantize`; 10% slack, QUANTIZATION_SLACK), and exact (to float rounding) where it cannot take it;
 - the store's model gives bit for bit the logits of mlx_lm's model of the source given the store's weights (the
   store's config builds the same model).
-On the 121 swept types the INT4 store's weights are at most 0.97x mlx_lm's 4-bit error (clip search), the INT8
-store's equal to mlx_lm's 8-bit, while a wrong rule's weight (a tensor of the next layer, a transposed one, one
-scaled by 2) is 14-24x it (test_the_check_names_a_wrong_tensor shows the check failing on one). The default
-suite runs the architectures in arch_sweep.DEFAULT; `pytest -m archsweep` runs the rest (scripts/test.sh runs both).
+On the 121 swept types the INT4 store's weights are at most 0.97x mlx_lm's 4-bit error (clip search; 1.008x on
+a weight of 4 groups at another seed), the INT8 store's equal to mlx_lm's 8-bit, while a wrong rule's weight (a
+tensor of the next layer, a transposed one, one scaled by 2) is 14-24x it (test_the_check_names_a_wrong_tensor
+shows the check failing on one). The default suite runs the architectures in arch_sweep.DEFAULT; `pytest -m
+archsweep` runs the rest (scripts/test.sh runs both).
 
 Not the model's next-token agreement with the source, which this sweep once compared with mlx_lm's own 4-bit of
 the same model: a tiny random model's output is chaotic in its weights. Over every type and 3 seeds, the INT4
@@ -45,6 +46,10 @@ BITS = {"int8": 8, "int4": 4}
 # Float rounding, relative to the weight: all the error allowed a weight that mlx_lm's quantization cannot take
 # (its last axis does not divide into groups), such as rwkv7's one-column LoRA weights (stored INT8 per row: ~1e-8).
 ROUNDING = 1e-6
+# The store rounds as docs/format.md 4.2 says (the group's minimum as offset), mlx_lm its own way (zero exact): on a
+# weight of a few groups the store's error can be the larger one (1.008x mlx_lm's, clip search included, on rwkv7's
+# and olmo_hybrid's 4-group rows over seeds 0-3). A wrong tensor's is 13.7x or more.
+QUANTIZATION_SLACK = 1.1
 ALL_TIERS = ("mlx", "finalized", "int4", "int3")
 
 ARCHS = [
@@ -70,7 +75,8 @@ def rms(a: mx.array) -> float:
 def assert_within_quantization(weights: dict[str, mx.array], source: dict[str, mx.array], bits: int,
                                group_size: int) -> None:
     """Each of `weights` is `source`'s weight of its name within the RMS error mlx_lm's quantization of that
-    tensor has (`bits`, `group_size`), or within float rounding where that quantization cannot take it."""
+    tensor has (`bits`, `group_size`; with QUANTIZATION_SLACK), or within float rounding where that quantization
+    cannot take it."""
     assert weights.keys() == source.keys()
     for name, want in source.items():
         got = weights[name]
@@ -78,9 +84,9 @@ def assert_within_quantization(weights: dict[str, mx.array], source: dict[str, m
         bound = ROUNDING * rms(want)
         if want.ndim >= 2 and want.shape[-1] % group_size == 0:
             quantized = mx.quantize(want, group_size=group_size, bits=bits)
-            bound += rms(mx.dequantize(*quantized, group_size=group_size, bits=bits) - want)
+            bound += QUANTIZATION_SLACK * rms(mx.dequantize(*quantized, group_size=group_size, bits=bits) - want)
         error = rms(got - want)
-        assert error <= bound, f"{name}: RMS error {error:.3g}, mlx_lm's {bits}-bit quantization's {bound:.3g}"
+        assert error <= bound, f"{name}: RMS error {error:.3g} > {bound:.3g}, mlx_lm's {bits}-bit's with slack"
 
 
 def test_sweep_covers_the_issue():
