@@ -18,7 +18,7 @@ the same model: a tiny random model's output is chaotic in its weights. Over eve
 store's mean KL(source || store) over the 95 positions of a prompt, against mlx_lm's 4-bit's, is 0.70x at the
 median, 1.8x at the 90th percentile, 31x at most (nemotron), with lower error on every tensor; top-1 agreement
 differs by -0.21..+0.14. Yet a wrong tensor can move it less (a router of the next layer, a matrix before a norm:
-0.02-1x), and tiny talkie's logits did not move with any of those wrong tensors.
+0.02-1x), and tiny talkie's logits did not move at all (its head was zero, as mlx_lm initializes it).
 """
 
 from __future__ import annotations
