@@ -104,6 +104,7 @@ TINY: dict[str, object] = {
     # the same sizes under other families' names
     "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 512, "n_ctx": 512, "num_layers": 2, "d_model": 128,
     "n_heads": 4, "n_layers": 2, "dim": 128, "ffn_dim": 256, "num_heads": 4, "n_inner": 256, "d_ff": 256,
+    "model_dim": 128,  # phixtral's (its experts are 4 x model_dim wide; mlx_lm's default is 2560)
     # mixture of experts: 4 experts, 2 per token, experts of 128 columns
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2,
     "moe_intermediate_size": 128, "n_shared_experts": 1, "shared_expert_intermediate_size": 128,
@@ -185,7 +186,7 @@ OVERRIDES: dict[str, dict] = {
     "nemotron_h": {"hybrid_override_pattern": ["M", "*", "-", "E"], "mamba_num_heads": 8, "mamba_head_dim": 32,
                    "ssm_state_size": 16, "n_groups": 1, "moe_shared_expert_intermediate_size": 128,
                    "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0},
-    "openelm": {"num_transformer_layers": 2, "model_dim": 128, "ffn_dim_divisor": 128, "num_query_heads": [4, 4],
+    "openelm": {"num_transformer_layers": 2, "ffn_dim_divisor": 128, "num_query_heads": [4, 4],
                 "num_kv_heads": [2, 2], "ffn_multipliers": [2.0, 2.0]},
     "plamo": {"n_shared_head": 2},
     "phixtral": {"num_vocab": 384},
@@ -268,15 +269,7 @@ def _neutral(annotation) -> object:
 
 
 # Swept types that fail a check today, and how: each runs as a strict xfail, so a fix shows.
-KNOWN_FAILING: dict[str, str] = {
-    # Measured on this sweep's model: the INT4 store's error is below mlx_lm's own 4-bit on every tensor (clip
-    # search), yet its top-1 agreement is 0.84 to mlx_lm's 0.94 (0.93 without clip search): the routing of a random
-    # 4-expert model flips on small changes. Not a rule of the family: every tensor is where it belongs.
-    "phixtral": "INT4 store's top-1 agreement with the source is 0.84, mlx_lm's own 4-bit 0.94",
-    # Not diagnosed yet (found in the last run of this change): below mlx_lm's own 4-bit by more than the slack.
-    "glm4": "INT4 store's top-1 agreement with the source is 0.82, mlx_lm's own 4-bit 0.885",
-    "minimax_m3_vl": "INT4 store's top-1 agreement with the source is 0.77, mlx_lm's own 4-bit 0.90",
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 # The types whose generated config (with its OVERRIDES) builds.
 GENERATED = (

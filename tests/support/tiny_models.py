@@ -81,6 +81,8 @@ def make_hf_model(directory: Path, config: dict, tokenizer_dir: Path, dtype=mx.f
     def randomized(name: str, v: mx.array) -> mx.array:
         if v.ndim == 1:  # random norms too, so a misplaced or dropped norm weight changes the logits
             return mx.random.normal(v.shape) * 0.1 + unscaled.get(name, 1.0)
+        if not mx.any(v).item():  # zero as mlx_lm initializes it (talkie's head, some routers) hides a misplacement:
+            return mx.random.normal(v.shape) * v.shape[-1] ** -0.5  # random at nn.Linear's scale
         if name in heads and row_spread:
             return v * mx.exp(row_spread * mx.random.normal((v.shape[0], 1)))
         return v
