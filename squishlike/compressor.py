@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from . import quant
 from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
+from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, OutputExistsError, QuantizationError
 from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir
@@ -30,7 +31,6 @@ from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
 from .provider import WeightProvider
 from .io.atomic import make_temp_dir, publish_dir, sweeping_temps
-from .io.files import read_json
 from .io.lock import exclusive
 from .options import checks_options
 
@@ -381,8 +381,9 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
     """The tokenizer's facts and the manifest: the store complete."""
     from . import tokenizer  # mlx_lm and transformers: imported only once a store is written
 
-    # For loads with load()'s default arguments: trust_remote_code off, the eos ids of config.json.
-    eos_token_ids = read_json(writer.path / "config.json").get("eos_token_id")
+    # For loads with load()'s default arguments: trust_remote_code off, and the eos ids a load passes, those of
+    # config.json with generation_config.json's over them (config.load_config, as mlx_lm.load reads them).
+    eos_token_ids = load_config(writer.path).get("eos_token_id")
     tokenizer.compact(writer.path)  # before the facts, whose key hashes the file as the store holds it
     writer.add_side_files(written + tokenizer.write_facts(writer.path, {"trust_remote_code": False}, eos_token_ids))
     schemes = {e.scheme for e in writer.tensors.values()}

@@ -12,6 +12,7 @@ from support.tiny_models import TINY_CONFIGS, make_hf_model, make_qwen2_tokenize
 
 import squishlike
 from squishlike import tokenizer as fast_tokenizer
+from squishlike.config import load_config
 from squishlike.npydir import NpyDir
 from squishlike.provider import WeightProvider
 
@@ -183,11 +184,17 @@ def test_what_cannot_be_shown_identical_falls_back(tmp_path, caplog):
     assert fast_tokenizer.load(tmp_path, ARGUMENTS).encode("hello there world") == [1, 0, 2]
 
 
-def test_compress_keeps_the_facts_and_load_uses_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("generation_eos", [None, [1, 2]])
+def test_compress_keeps_the_facts_and_load_uses_them(tmp_path, monkeypatch, generation_eos):
+    """Also where generation_config.json sets the eos ids (as SmolLM2's does): a load passes those, config.json's
+    with them over it, and the facts must be for those arguments."""
     source = make_hf_model(tmp_path / "src", TINY_CONFIGS["llama"], make_tokenizer(tmp_path / "tok"))
+    if generation_eos is not None:
+        (source / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
     store = squishlike.compress(source, tmp_path / "store", scheme="int8", tiers=("mlx",))
     assert fast_tokenizer.FACTS_FILE in NpyDir(store).manifest.side_files
-    expected = load_tokenizer(store, ARGUMENTS)
+    expected = load_tokenizer(store, ARGUMENTS, eos_token_ids=load_config(store).get("eos_token_id"))
+    assert generation_eos is None or set(generation_eos) <= expected.eos_token_ids
     monkeypatch.setattr(fast_tokenizer, "load_tokenizer", None)  # any fallback to mlx_lm fails the load
     _, tokenizer = squishlike.load(store)
     assert tokenizer.encode(CORPUS[2]) == expected.encode(CORPUS[2])
