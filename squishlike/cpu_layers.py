@@ -5,8 +5,8 @@ layer, groups of 64 (docs/design.md §6.5): one row of input took 12.5 ms in flo
 (a bf16 dense matvec: 10.6 ms); 64 rows took 834 ms in float32, 6.2 s in bfloat16, and 362 ms to dequantize the
 layer and run one bf16 matmul. So a quantized layer here
 
-- runs a few rows (a generated token) through `quantized_matmul` in float32 and casts the result back: as fast as
-  the dense model's matvec, at the quantized weights' memory;
+- runs a few rows (a generated token) through `quantized_matmul` in float32 and casts the result back: near the
+  dense model's matvec, at the quantized weights' memory;
 - runs a prompt (ROWS rows or more) as one matmul of its weight dequantized to the activations' dtype: near the
   dense model's prompt pass, and only one layer's dense weight alive at a time.
 

@@ -7,7 +7,8 @@ decides. MLX's quantized matmul is fast on Metal and CUDA: on an NVIDIA H200 wit
 0.88 s. On `mlx[cpu]` it is fast in float32 only, and slow in bf16 (0.12 tokens/s generated from mlx_lm's int4
 model of the 1.5B shape against 0.78 from bf16, §6.3); a store's quantized layers on a CPU therefore run float32
 for generated tokens and a dequantized dense matmul for the prompt (squishlike/cpu_layers.py, §6.5), which keeps
-the quantized tiers as fast as the bf16 ones there at a quarter of their memory.
+the quantized tiers near the bf16 ones' speed there at a third of their memory (the 1.5B shape: 0.84x the bf16
+model's first token, 13.7x mlx_lm's 4-bit model's, at 0.96x the latter's peak memory; benchmarks/README.md).
 
 PREFERENCE keeps that data: by MLX device type (`mx.default_device().type`, where the model runs), the tier names
 fastest first. A tier not named there goes last, in registry order; a new tier adds its name to each row.
@@ -35,7 +36,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 WHY: dict[str, str] = {
     "gpu": "quantized matmul is fast on the GPU, and the quantized tiers read a quarter of the bytes",
     "cpu": "a store's quantized layers run mlx[cpu]'s fast matmuls (float32 for generated tokens, dense for the "
-           "prompt), as fast as the bf16 tiers at a quarter of the memory",
+           "prompt), near the bf16 tiers' speed at a third of the memory",
 }
 
 # On mlx[cpu] the cold path (Rust dequantization of an INT4 store at memory speed) loaded the 1.5B-shaped model
