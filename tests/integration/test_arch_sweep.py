@@ -118,16 +118,17 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, tiers=ALL_TIERS, **OPTIONS[fmt])
         store = NpyDir(out)
         assert any(e.kind.quantized for e in store.entries.values()), "the model has weights to quantize"
-        cold, _ = squishlike.load(out)  # the first load: the cold path, building every tier the policy asks for
+        first, _ = squishlike.load(out)  # the first load: the cold path, building every tier the policy asks for
         built = {t.name for t in ORDER if t.ready(store)[0] is not None}
         assert built == {"mlx", "finalized", *({fmt} & {"int4"})}
-        for tier in (*built, "cold"):
-            assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
-        weights = flat_params(cold)
+        dense, _ = squishlike.load(out, tier="cold")  # the store dequantized, a model of mlx_lm's dense layers
+        for model in (*(squishlike.load(out, tier=tier)[0] for tier in built), dense):
+            assert_same_weights(first, model)
+        weights = flat_params(dense)
         assert_within_quantization(weights, source, BITS[fmt], OPTIONS[fmt]["group_size"])
         reference.load_weights(list(weights.items()))
         tokens = mx.array([TOKENS])
-        assert mx.array_equal(cold(tokens), reference(tokens)).item(), f"{fmt}: the store's model is not mlx_lm's"
+        assert mx.array_equal(dense(tokens), reference(tokens)).item(), f"{fmt}: the store's model is not mlx_lm's"
 
 
 @pytest.mark.parametrize("wrong", ["of the next layer", "transposed", "doubled"])
@@ -136,7 +137,7 @@ def test_the_check_names_a_wrong_tensor(wrong, tmp_path, tokenizer_dir):
     src = make_hf_model(tmp_path / "llama", ARCH_CONFIGS["llama"], tokenizer_dir)
     source = flat_params(mlx_lm.load(str(src))[0])
     out = squishlike.compress(src, tmp_path / "int4", scheme="int4", tiers=(), **OPTIONS["int4"])
-    weights = flat_params(squishlike.load(out)[0])
+    weights = flat_params(squishlike.load(out, tier="cold")[0])
     quantization = BITS["int4"], OPTIONS["int4"]["group_size"]
     assert_within_quantization(weights, source, *quantization)
     name = "model.layers.0.self_attn.o_proj.weight"
