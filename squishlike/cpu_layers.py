@@ -1,9 +1,9 @@
 """Quantized layers that are fast on `mlx[cpu]`: what a squishlike store's quantized model runs on a CPU.
 
 MLX 0.32's CPU `quantized_matmul` is fast in float32 only. Measured on this project's 2-core VM with one 8960x1536
-layer, groups of 64 (docs/design.md §6.5): one row of input took 12.5 ms in float32 against 108 ms in bfloat16
-(a bf16 dense matvec: 10.6 ms); 64 rows took 834 ms in float32, 6.2 s in bfloat16, and 362 ms to dequantize the
-layer and run one bf16 matmul. So a quantized layer here
+4-bit layer, groups of 64 (benchmarks/bench_cpu_matmul.py, docs/design.md §6.5): one row of input took 14.5 ms in
+float32 against 121 ms in bfloat16 (a bf16 dense matvec: 11.1 ms); 64 rows took 1.0 s in float32, 8.4 s in
+bfloat16, and 0.53 s to dequantize the layer and run one bf16 matmul. So a quantized layer here
 
 - runs a few rows (a generated token) through `quantized_matmul` in float32 and casts the result back: near the
   dense model's matvec, at the quantized weights' memory;
