@@ -16,7 +16,7 @@ import squishlike
 from squishlike.cpu_layers import CpuQuantizedLinear, use_cpu_kernels
 from squishlike.errors import TierNotReadyError
 from squishlike.npydir import NpyDir
-from squishlike.tiers import BY_NAME, ORDER, order, target
+from squishlike.tiers import BY_NAME, ORDER, order
 from squishlike.tiers.load import load_weights
 from squishlike.tiers.prune import prune
 from squishlike.tiers.order import ordered
