@@ -26,10 +26,11 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -
         return False
     try:
         candidates = [*ordered(ORDER), COLD] if tier is None else [t for t in TIERS if t.name == tier]
-        chosen = next((t for t in candidates if t.ready(store)[0] is not None or t.serves_from_store(store)), None)
+        # A tier read from the store has no sentinel payload: its read prefetches its parts itself.
+        chosen, payload = next(((t, p or {}) for t in candidates
+                                if (p := t.ready(store)[0]) is not None or t.serves_from_store(store)), (None, None))
         if chosen is None:
             return False  # an unknown tier or one that is not ready: load_weights says why
-        payload = chosen.ready(store)[0] or {}  # none for a tier read from the store, whose read prefetches its parts
         files, nbytes = [store.path / rel for rel in payload.get("files", {})], chosen.nbytes(store)
     except (OSError, ValueError, KeyError):
         return False
