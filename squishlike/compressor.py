@@ -164,10 +164,7 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
               sweeping_temps(out.parent, out.name)):
             _check_output(out, opts.force)  # it may have appeared while we waited
             tmp = make_temp_dir(out)
-            plan = _calibration_plan(provider, opts)
-            if plan is not None:
-                opts.extra_manifest = {**plan.manifest(), **opts.extra_manifest}
-            writer = _write_store(provider, tmp, opts, plan)
+            writer, plan = _write_store(provider, tmp, opts)
             if opts.format == "int3":
                 _gate_int3(provider, writer, out, opts, plan)
             publish_dir(tmp, out)
@@ -192,16 +189,6 @@ def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: 
             f"or keep the most sensitive tensors at INT8 with mixed_precision=0.1; or accept the loss by raising "
             f"int3_max_ppl_increase={opts.int3_max_ppl_increase} explicitly"
         )
-
-
-def _calibration_plan(provider: WeightProvider, opts: CompressOptions):
-    """The calibration plan when the options ask for one (AWQ, mixed precision, the INT3 gate), else None;
-    calibration runs the source model, so it is imported only then."""
-    if not opts.calibrates:
-        return None
-    from .calibration import prepare
-
-    return prepare(provider, opts)
 
 
 def _check_output(out: Path, force: bool) -> None:
@@ -264,8 +251,10 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, plan=None) -> NpyDirWriter:
-    """Quantize every tensor of the source into the npy-dir at `tmp`; returns its writer, the manifest written."""
+def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
+    """Quantize every tensor of the source into the npy-dir at `tmp`, one block after another (calibrating each
+    first when the options ask for it); returns its writer, the manifest written, and the calibration plan (None
+    without calibration)."""
     from .model import new_model, parameter_shapes  # imports mlx_lm
 
     runtime = opts.dtype or runtime_dtype(provider)
@@ -275,21 +264,38 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions, pla
     provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
     kinds = weight_kinds(provider, model)  # the model decides what is quantized
     writer = NpyDirWriter(tmp, runtime)
+    calibrator = _calibrator(provider, opts, tmp)
+    plan = calibrator.plan if calibrator is not None else None
+    units = calibrator.units() if calibrator is not None else iter([("model", provider.names())])
     with tqdm(total=sum(t.nbytes for t in infos.values()), unit="B", unit_scale=True, desc="compress", disable=None,
               file=sys.stderr) as bar:
         pipeline = _Pipeline(bar)
         try:
-            for name in provider.names():
-                info = infos.get(provider.source_name(name))
-                entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime, plan,
-                                                                           kinds.get(name))
-                nbytes = info.nbytes if info else array.nbytes
-                pipeline.submit(nbytes, _finish_tensor, writer, name, entry, array, src_dtype, parts, checked)
-            pipeline.drain()
+            for what, names in units:
+                bar.set_postfix_str(what, refresh=False)
+                for name in names:
+                    info = infos.get(provider.source_name(name))
+                    entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime,
+                                                                               plan, kinds.get(name))
+                    nbytes = info.nbytes if info else array.nbytes
+                    pipeline.submit(nbytes, _finish_tensor, writer, name, entry, array, src_dtype, parts, checked)
+                pipeline.drain()
         finally:
             pipeline.close()
+    if calibrator is not None:
+        opts.extra_manifest = {**calibrator.manifest(), **opts.extra_manifest}
     _finish_store(provider, writer, opts, side_files)
-    return writer
+    return writer, plan
+
+
+def _calibrator(provider: WeightProvider, opts: CompressOptions, side_files: Path):
+    """The block-by-block calibration when the options ask for one (AWQ, GPTQ, mixed precision, the INT3 gate),
+    else None; it runs the source model, so it is imported only then."""
+    if not opts.calibrates:
+        return None
+    from .calibration import Calibrator
+
+    return Calibrator(provider, opts, side_files)
 
 
 class _Pipeline:

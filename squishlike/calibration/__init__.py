@@ -45,14 +45,15 @@ does, see `openblas.reexec_with_openblas`); their matrix products and GPTQ's fac
 """
 
 from .awq import Transform, add_scales, group_scales, scale_groups, search_awq
-from .gate import int3_gate
-from .mixed import fisher_diagonal, plan_mixed
-from .plan import Plan, prepare
+from .blocks import BlockRunner
+from .gate import int3_gate, store_perplexity
+from .mixed import plan_mixed, tensor_losses
+from .plan import Calibrator, Plan
 from .quantizer import Quantizer
-from .stats import Calibration, ScaleGroup, calibration_windows, collect, source_model
+from .stats import Calibration, ScaleGroup, calibration_windows, record
 
 __all__ = [
-    "Calibration", "Plan", "Quantizer", "ScaleGroup", "Transform", "add_scales", "calibration_windows", "collect",
-    "fisher_diagonal", "group_scales", "int3_gate", "plan_mixed", "prepare", "scale_groups", "search_awq",
-    "source_model",
+    "BlockRunner", "Calibration", "Calibrator", "Plan", "Quantizer", "ScaleGroup", "Transform", "add_scales",
+    "calibration_windows", "group_scales", "int3_gate", "plan_mixed", "record", "scale_groups", "search_awq",
+    "store_perplexity", "tensor_losses",
 ]

@@ -1,4 +1,5 @@
-"""The INT3 accuracy gate: the written 3-bit store's perplexity on the calibration text against the source's."""
+"""The INT3 accuracy gate: the written 3-bit store's perplexity on the calibration text against the source's, both
+measured one block at a time (the store's blocks dequantized as the cold tier dequantizes them)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,34 @@ from pathlib import Path
 from typing import Any
 
 from ..compress_options import CompressOptions
-from ..evaluation import passes_gate, perplexity, prepare_for_eval
+from ..dtypes import to_mx
+from ..evaluation import passes_gate
+from ..model import model_tokenizer, new_model
 from ..npydir import NpyDir
-from ..model import assemble
 from ..provider import WeightProvider
-from ..tiers.load import load_weights
+from ..tiers.base import mlx_names
+from .blocks import BlockRunner
 from .plan import Plan
-from .stats import CALIBRATION_TEXT, calibration_windows, log, source_model
+from .stats import CALIBRATION_TEXT, calibration_windows, log
+
+
+def store_perplexity(store: NpyDir, max_tokens: int | None) -> tuple[float, int]:
+    """(perplexity of the store's model on the calibration text, tokens scored), one block in memory at a time."""
+    canonical = {m: n for n, m in mlx_names(store).items()}
+    model = new_model(store.config(), store.path)
+    windows = calibration_windows(model_tokenizer(store.config(), store.path, store.path), max_tokens=max_tokens)
+
+    def weights(names):
+        for n in names:
+            yield n, to_mx(store.dequantize(canonical[n]), store.runtime_dtype)
+
+    runner = BlockRunner(model, list(canonical), weights, windows)
+    hidden = runner.hidden
+    for i in range(len(runner)):
+        runner.load(i)
+        hidden = runner.run(i, hidden)
+        runner.release(i)
+    return runner.perplexity(hidden), sum(w.n_scored for w in windows)
 
 
 def int3_gate(provider: WeightProvider, store_dir: Path, opts: CompressOptions, plan: Plan | None) -> dict[str, Any]:
@@ -31,16 +53,8 @@ def int3_gate(provider: WeightProvider, store_dir: Path, opts: CompressOptions, 
         started = time.perf_counter()
         reference_ppl = plan.reference_ppl if plan is not None else None
         if reference_ppl is None:
-            model, tokenizer = source_model(provider)
-            reference_ppl = perplexity(model, calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens))
-            del model
-        store = NpyDir(store_dir)
-        loaded = load_weights(store, "cold")
-        candidate, tokenizer = assemble(loaded.config, loaded.weights, store.path, store.path)
-        candidate = prepare_for_eval(candidate)
-        windows = calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens)
-        candidate_ppl = perplexity(candidate, windows)
-        del candidate
+            raise RuntimeError("calibration did not measure the source's perplexity")
+        candidate_ppl, tokens = store_perplexity(NpyDir(store_dir), opts.calibration_max_tokens)
     except Exception as e:  # noqa: BLE001 - the store is fine; only the gate could not decide
         record["reason"] = f"the INT3 accuracy gate could not run: {type(e).__name__}: {e}"
         return record
@@ -52,7 +66,7 @@ def int3_gate(provider: WeightProvider, store_dir: Path, opts: CompressOptions, 
         candidate_ppl=round(candidate_ppl, 6),
         reference_ppl=round(reference_ppl, 6),
         increase=round(increase, 6),
-        tokens=sum(w.n_scored for w in windows),
+        tokens=tokens,
         seconds=round(time.perf_counter() - started, 1),
         reason=f"3-bit perplexity on the calibration text {candidate_ppl:.4f} is {increase:+.2%} against the "
         f"reference {reference_ppl:.4f}: {verdict} the bound of {bound:+.0%}",

@@ -1,76 +1,47 @@
-"""Mixed precision by measured sensitivity: a diagonal-Fisher estimate of each linear's quantization cost, and the
-greedy choice of the tensors kept at higher precision within a size budget."""
+"""Mixed precision by measured sensitivity: each quantized tensor's cost, measured on its calibration inputs as
+the change of its layer's outputs (`tensor_losses`), and the greedy choice of the tensors kept at higher precision
+within a size budget (`plan_mixed`).
+
+Why the layer's output change, ||X (W_hat - W)^T||^2 over the calibration inputs X: it is what one block of the
+model shows (the Hessian of the layer's squared output error is X^T X, as GPTQ uses it), so it is measured in the
+block-by-block pass with no backward pass through the whole model, which would hold every layer at once."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
-from ..evaluation import Window
 from .awq import Transform
+from .products import output_error
 from .quantizer import Quantizer
 
-FISHER_WINDOW = 256  # tokens per gradient sample for the Fisher estimate
 
-
-def fisher_diagonal(model: nn.Module, windows: Sequence[Window], params: Sequence[str]) -> dict[str, np.ndarray]:
-    """sum over `windows` (calibration text, FISHER_WINDOW tokens each) of (d NLL_window / d W)^2 for the mlx
-    parameters `params` (float32)."""
-    wanted = set(params)
-    model.freeze()
-    for name, module in model.named_modules():
-        if f"{name}.weight" in wanted:
-            module.unfreeze(keys=["weight"], recurse=False)
-
-    def loss_fn(m, inputs, targets):
-        logits = m(inputs)[0].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return -mx.take_along_axis(logprobs, targets[:, None], axis=-1).sum()
-
-    grad_fn = nn.value_and_grad(model, loss_fn)
-    fisher: dict[str, mx.array] = {}
-    try:
-        for w in windows:
-            inputs = mx.array(w.tokens[:-1], dtype=mx.int32)[None]
-            targets = mx.array(w.tokens[1:], dtype=mx.int32)
-            _, grads = grad_fn(model, inputs, targets)
-            for name, g in tree_flatten(grads):
-                if name in wanted:
-                    fisher[name] = g * g if name not in fisher else fisher[name] + g * g
-            mx.eval(list(fisher.values()))
-    finally:
-        model.unfreeze()
-    return {k: np.array(v) for k, v in fisher.items()}
+def tensor_losses(name: str, w: np.ndarray, x: np.ndarray, transform: Transform,
+                  quantizers: Sequence[Quantizer]) -> tuple[float, ...]:
+    """For each quantizer, the squared change of the layer's outputs on inputs `x` when its weight `w` (float32,
+    as the source holds it) is stored with it, after the AWQ rewrite `transform` (whose column scales divide the
+    inputs, so the product is the source's)."""
+    ws = transform.apply(name, w)
+    xs = x / transform.col[name][None, :] if name in transform.col else x
+    xs = mx.array(xs)
+    return tuple(output_error(xs, qz(ws) - ws) for qz in quantizers)
 
 
 def plan_mixed(
-    names: Sequence[str],
-    weight: Callable[[str], np.ndarray],
-    transform: Transform,
-    fisher: dict[str, np.ndarray],
-    mlx_name: Callable[[str], str],
+    losses: dict[str, tuple[float, float]],
+    shapes: dict[str, tuple[int, int]],
     base: Quantizer,
     high: Quantizer,
     budget: float,
 ) -> tuple[list[str], dict[str, Any]]:
-    """Which of `names` (tensors the store quantizes with `base`) to keep at `high` instead (INT8, or exact:
-    passthrough), greedily by estimated loss saved per extra byte, within `budget` x their bytes at `base`.
-    Returns (chosen, report)."""
+    """Which tensors (`losses`: name -> (loss at `base`, loss at `high`)) to keep at `high` instead, greedily by
+    loss saved per extra byte, within `budget` x their bytes at `base`. Returns (chosen, report)."""
     rows = []
-    for name in names:
-        w = transform.apply(name, weight(name))
-        f = fisher[mlx_name(name)]
-        loss = []
-        for qz in (base, high):
-            e = transform.error_back(name, qz(w) - w)
-            loss.append(0.5 * float(np.einsum("ij,ij->", f, e * e, dtype=np.float64)))
-        r, c = w.shape
-        extra = high.nbytes(r, c) - base.nbytes(r, c)
-        rows.append((name, loss[0], loss[1], base.nbytes(r, c), extra))
+    for name, (l_base, l_high) in losses.items():
+        r, c = shapes[name]
+        rows.append((name, l_base, l_high, base.nbytes(r, c), high.nbytes(r, c) - base.nbytes(r, c)))
     limit = budget * sum(r[3] for r in rows)
     ranked = sorted(rows, key=lambda r: (r[1] - r[2]) / max(r[4], 1), reverse=True)
     chosen, spent = [], 0
@@ -81,12 +52,14 @@ def plan_mixed(
         spent += extra
     est_total = sum(r[1] for r in rows)
     est_after = est_total - sum(r[1] - r[2] for r in rows if r[0] in chosen)
+    names = list(losses)
     report = {
         "budget": budget,
         "extra_bytes": int(spent),
         "base_bytes": int(sum(r[3] for r in rows)),
         "promoted_to": high.scheme,
-        "tensors": sorted(chosen, key=list(names).index),
+        "tensors": sorted(chosen, key=names.index),
+        "measure": "the layer's output change on the calibration inputs, ||X (W_hat - W)^T||^2",
         "estimated_loss_increase": {"all_base": round(est_total, 4), "mixed": round(est_after, 4)},
         "sensitivity": {r[0]: round(r[1], 5) for r in rows},
     }

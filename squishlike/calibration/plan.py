@@ -1,24 +1,31 @@
-"""The plan `compress` applies as it streams the tensors: what calibration decided, and how it is decided."""
+"""The plan `compress` applies as it writes the tensors, decided block by block as the source model runs over the
+calibration text (`Calibrator`): nothing ever holds the whole model in float32."""
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
+from ..config import load_config
+from ..errors import UnsupportedArchitectureError
+from ..model import model_tokenizer, new_model
 from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
+from .blocks import BlockRunner
 from .gptq import DAMPING, gptq, head_group, inverse_hessian_factor
-from .mixed import FISHER_WINDOW, fisher_diagonal, plan_mixed
+from .mixed import plan_mixed, tensor_losses
 from .quantizer import Quantizer
-from .stats import Calibration, calibration_windows, collect, log, source_model
+from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions
 
 
 @dataclass
@@ -71,121 +78,217 @@ class Plan:
             return kept, f"mixed precision: kept {what} (measured sensitivity)"
         return scheme, reason
 
-    def manifest(self) -> dict[str, Any]:
-        return dict(self.record)
 
 
 class _SourceWeights:
     """The source model's weights as calibration reads them, and the quantizer the store will use for each."""
 
-    def __init__(self, provider, model: nn.Module, opts: CompressOptions, runtime: str):
+    def __init__(self, provider: WeightProvider, model: nn.Module, opts: CompressOptions, runtime: str):
         self.provider, self.opts = provider, opts
-        self.params = dict(tree_flatten(model.parameters()))
         self.kinds = weight_kinds(provider, model)
         self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
         self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.params[self.provider.mlx_name(name)].shape)
-
     def weight(self, name: str) -> np.ndarray:
-        return np.array(self.params[self.provider.mlx_name(name)], dtype=np.float32)
+        array = self.provider.get(name)
+        return np.array(array.astype(mx.float32))
 
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
+        shape = tuple(self.provider.reader.tensors()[self.provider.source_name(name)].shape)
+        scheme, _ = choose_scheme(name, shape, self.opts, self.kinds.get(name))
         return self.base if scheme == self.opts.scheme else None
 
 
-def prepare(provider: WeightProvider, opts: CompressOptions) -> Plan:
-    """The calibration plan for `compress` with options `opts`, for a compress that asks for one.
-
-    Runs the source model once on the calibration text (the reference perplexity the INT3 gate uses), then what
-    was asked: AWQ (`opts.awq`, any format), mixed precision (`opts.mixed_precision` > 0: INT4/INT3 stores
-    promote to INT8, INT8 stores keep tensors exact).
+class Calibrator:
+    """Calibration for one compress. `units()` yields the source's tensors in the order compress writes them
+    (the tensors outside the blocks, each block's, then the output head); before it yields a block it has run
+    that block over the calibration windows' hidden states and put in `plan` what compress needs to write it:
+    AWQ's scales for the block's groups, GPTQ's inputs for its linears. After compress has written a block, its
+    weights are dropped and its outputs are the next block's inputs. Mixed precision, which chooses among all
+    tensors at once, measures every tensor's sensitivity in a first pass of the same kind, before anything is
+    written. A model whose layers cannot run one at a time is compressed without calibration; the manifest
+    says why.
     """
-    started = time.perf_counter()
-    plan = Plan(runtime=opts.dtype or runtime_dtype(provider))
-    model, tokenizer = source_model(provider)
-    source = _SourceWeights(provider, model, opts, plan.runtime)
-    groups, why_not = scale_groups(model, provider) if opts.awq or opts.gptq else ([], None)
-    head = head_group(provider) if opts.gptq else None
-    log(f"running the source model in float32 on the calibration text ({provider.reader.path})")
-    calib = collect(model, tokenizer, [*groups, *([head] if head else [])], samples=opts.calibration_samples, max_tokens=opts.calibration_max_tokens)
-    plan.reference_ppl = calib.reference_ppl
-    plan.record["calibration"] = {
-        "text": calib.text,
-        "tokens": calib.tokens,
-        "reference_ppl": round(calib.reference_ppl, 6),
-        "samples": opts.calibration_samples,
-        "max_tokens": opts.calibration_max_tokens,
-    }
-    log(f"calibration pass: {calib.tokens} tokens, perplexity {calib.reference_ppl:.4f}, {calib.seconds:.1f} s")
-    if opts.awq:
-        plan.transform, plan.record["awq"] = _awq(groups, why_not, calib, source)
-    if opts.gptq:
-        plan.inputs, plan.quantizers, plan.record["gptq"] = _gptq(groups, why_not, head, calib, source)
-    del calib
-    if opts.mixed_precision > 0:
-        plan.promote, plan.record["mixed_precision"] = _mixed(model, tokenizer, source, plan.transform)
-    # Logged, not recorded: the manifest, like the tensors, is the same for the same source and options (an INT4
-    # store is calibrated by default, and compress is reproducible).
-    log(f"calibration: {time.perf_counter() - started:.1f} s")
-    return plan
 
+    def __init__(self, provider: WeightProvider, opts: CompressOptions, side_files: Path):
+        self.provider, self.opts = provider, opts
+        self.plan = Plan(runtime=opts.dtype or runtime_dtype(provider))
+        self.model = new_model(provider.dense_config(), provider.reader.path)
+        tokenizer = model_tokenizer(load_config(side_files), side_files, provider.reader.path)
+        self.windows = calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens)
+        self.picks = sample_positions(self.windows, opts.calibration_samples)
+        self.source = _SourceWeights(provider, self.model, opts, self.plan.runtime)
+        wanted = opts.awq or opts.gptq or opts.mixed_precision > 0
+        self.groups, self.why_not = scale_groups(self.model, provider) if wanted else ([], None)
+        if self.why_not and opts.awq:
+            warnings.warn(f"AWQ scaling skipped: {self.why_not}")
+        if self.why_not and opts.gptq:
+            warnings.warn(f"GPTQ of the decoder linears skipped: {self.why_not}")
+        self.head = head_group(provider) if opts.gptq or opts.mixed_precision > 0 else None
+        self.canonical = {provider.mlx_name(n): n for n in provider.names()}
+        self.awq: dict[str, dict] = {}
+        self.gptq_tensors: set[str] = set()
+        self.stopped: str | None = None  # why calibration stopped, when it did
+        self.plan.record["calibration"] = {
+            "text": "calibration",
+            "tokens": sum(len(w.tokens) - 1 for w in self.windows),
+            "samples": opts.calibration_samples,
+            "max_tokens": opts.calibration_max_tokens,
+            "method": "block by block: each layer's inputs are the float32 outputs of the layer before",
+        }
 
-def _awq(groups: list[ScaleGroup], why_not: str | None, calib: Calibration,
-         source: _SourceWeights) -> tuple[Transform, dict[str, Any]]:
-    """The AWQ transform and its manifest record (not applied, and why, when the architecture has no groups)."""
-    if why_not:
-        warnings.warn(f"AWQ scaling skipped: {why_not}")
-        return Transform(), {"applied": False, "reason": why_not}
-    started = time.perf_counter()
-    transform, report = search_awq(groups, calib, source.weight, source.quantizer_for)
-    mean_alpha = np.mean([r["alpha"] for r in report.values()]) if report else 0.0
-    log(f"AWQ search: {len(report)} groups, mean alpha {mean_alpha:.2f}, {time.perf_counter() - started:.1f} s")
-    return transform, {
-        "applied": True,
-        "method": "per-input-channel s = mean|x|^alpha, alpha grid-searched per group on calibration "
-        "output error; folded into RMSNorm weights, v rows (o) and up rows (down)",
-        "grid": [*AWQ_GRID, "then best +- 0.05"],
-        "groups": report,
-    }
+    def _weights(self, names):
+        for n in names:
+            yield n, self.provider.get(self.canonical[n])
 
+    def units(self) -> Iterator[tuple[str, list[str]]]:
+        """(what, canonical names) in write order; the plan is ready for each unit when it is yielded."""
+        started = time.perf_counter()
+        try:
+            runner = BlockRunner(self.model, list(self.canonical), self._weights, self.windows)
+        except UnsupportedArchitectureError as e:
+            self._stop(str(e))
+            yield "model", self.provider.names()
+            return
+        head = set(self.head.members) if self.head is not None else set()
+        names = [[self.canonical[m] for m in block] for block in runner.block_names]
+        outside = [self.canonical[m] for m in runner.outside_names]
+        if self.opts.mixed_precision > 0:
+            first = list(runner.hidden)
+            self._mixed(runner)
+            runner.hidden = first
+        yield "embeddings", [n for n in outside if n not in head]
+        for i in range(len(runner)):
+            if self.stopped is None:
+                try:
+                    self._block(runner, i)
+                except UnsupportedArchitectureError as e:
+                    self._stop(str(e))
+            yield f"layer {i}", names[i]
+            runner.release(i)
+            self.plan.inputs.clear()
+        if self.stopped is None:
+            self._tail(runner)
+        yield "head", [n for n in outside if n in head]
+        log(f"calibration: {time.perf_counter() - started:.1f} s in all")
 
-def _gptq(groups: list[ScaleGroup], why_not: str | None, head: ScaleGroup | None, calib: Calibration,
-          source: _SourceWeights) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, Quantizer], dict[str, Any]]:
-    """Each linear's calibration inputs and quantizer (the decoder's, and the output head's), for `Plan.quantize`,
-    and the manifest record."""
-    if why_not:
-        warnings.warn(f"GPTQ of the decoder linears skipped: {why_not}")
-        groups = []
-    inputs, quantizers = {}, {}
-    for g in [*groups, *([head] if head else [])]:
-        for m in g.members:
-            if (qz := source.quantizer_for(m)) is not None:
-                inputs[m], quantizers[m] = (g.name, calib.samples[g.name]), qz
-    return inputs, quantizers, {
-        "applied": bool(inputs),
-        "decoder_skipped": why_not,
-        "method": f"GPTQ: columns rounded in order, each error spread by the inverse Hessian of the layer's "
-        f"calibration inputs (damping {DAMPING} of its mean diagonal); grids are the store's own",
-        "tensors": len(inputs),
-        "samples": int(next(iter(calib.samples.values())).shape[0]) if calib.samples else 0,
-    }
+    def _stop(self, why: str) -> None:
+        self.stopped = why
+        self.plan.record["calibration"]["stopped"] = why
+        warnings.warn(f"calibration stopped: {why}; the rest is rounded to nearest")
 
+    def _block_groups(self, i: int) -> list[ScaleGroup]:
+        return [g for g in self.groups if g.layer == i] if self.why_not is None else []
 
-def _mixed(model: nn.Module, tokenizer, source: _SourceWeights,
-           transform: Transform) -> tuple[dict[str, str], dict[str, Any]]:
-    """The tensors mixed precision keeps at higher precision (name -> scheme), and its manifest record."""
-    started = time.perf_counter()
-    provider, opts, high = source.provider, source.opts, source.high
-    names = [n for n in provider.names()
-             if n.endswith(".weight") and source.quantizer_for(n) is not None and len(source.shape(n)) == 2]
-    windows = calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens, window=FISHER_WINDOW)
-    fisher = fisher_diagonal(model, windows, [provider.mlx_name(n) for n in names])
-    chosen, report = plan_mixed(names, source.weight, transform, fisher, provider.mlx_name, source.base, high,
-                                opts.mixed_precision)
-    log(f"mixed precision: {len(chosen)} of {len(names)} tensors kept as {high.scheme} "
-        f"(+{report['extra_bytes'] / 1e6:.2f} MB), {time.perf_counter() - started:.1f} s")
-    return {n: high.scheme for n in chosen}, report
+    def _block(self, runner: BlockRunner, i: int) -> None:
+        """Run block `i`; put its AWQ scales and its linears' GPTQ inputs in the plan; its outputs become the next
+        block's inputs."""
+        groups = self._block_groups(i)
+        runner.load(i)
+        calib, runner.hidden = record(runner, i, groups, self.picks)
+        if self.opts.awq and groups and not self.plan.record.get("awq_from_first_pass"):
+            transform, report = search_awq(groups, calib, self.source.weight, self.source.quantizer_for)
+            self.plan.transform.col.update(transform.col)
+            self.plan.transform.row.update(transform.row)
+            self.awq.update(report)
+        if self.opts.gptq:
+            self._gptq_inputs(groups, calib)
+
+    def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration) -> None:
+        for g in groups:
+            for m in g.members:
+                if (qz := self.source.quantizer_for(m)) is not None:
+                    self.plan.inputs[m], self.plan.quantizers[m] = (g.name, calib.samples[g.name]), qz
+                    self.gptq_tensors.add(m)
+
+    def _tail(self, runner: BlockRunner) -> None:
+        """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
+        perplexity on the calibration text (the INT3 gate's reference)."""
+        if self.head is not None and self.opts.gptq:
+            norm = runner.module(self.head.module)
+            calib = record_output([norm(h) for h in runner.hidden], self.head, self.picks)
+            self._gptq_inputs([self.head], calib)
+        if self.opts.format == "int3" and self.opts.int3_gate:
+            self.plan.reference_ppl = runner.perplexity(runner.hidden)
+            self.plan.record["calibration"]["reference_ppl"] = round(self.plan.reference_ppl, 6)
+
+    def _mixed(self, runner: BlockRunner) -> None:
+        """A first pass over every block: AWQ's scales (kept for the second pass) and each quantized tensor's
+        sensitivity, then the choice of the tensors kept at higher precision."""
+        started = time.perf_counter()
+        losses: dict[str, tuple[float, float]] = {}
+        shapes: dict[str, tuple[int, int]] = {}
+        for i in range(len(runner)):
+            candidates = self._candidates(runner.block_names[i])
+            groups = [*self._block_groups(i), *candidates.values()]
+            runner.load(i)
+            calib, runner.hidden = record(runner, i, groups, self.picks)
+            if self.opts.awq and self._block_groups(i):
+                transform, report = search_awq(self._block_groups(i), calib, self.source.weight,
+                                               self.source.quantizer_for)
+                self.plan.transform.col.update(transform.col)
+                self.plan.transform.row.update(transform.row)
+                self.awq.update(report)
+            for name, g in candidates.items():
+                w = self.source.weight(name)
+                shapes[name] = w.shape
+                losses[name] = tensor_losses(name, w, calib.samples[g.name], self.plan.transform,
+                                             (self.source.base, self.source.high))
+            runner.release(i)
+        if self.head is not None and (qz := self.source.quantizer_for(self.head.members[0])) is not None:
+            name = self.head.members[0]
+            norm = runner.module(self.head.module)
+            calib = record_output([norm(h) for h in runner.hidden], self.head, self.picks)
+            w = self.source.weight(name)
+            shapes[name] = w.shape
+            losses[name] = tensor_losses(name, w, calib.samples["head"], self.plan.transform,
+                                         (self.source.base, self.source.high))
+        self.plan.record["awq_from_first_pass"] = bool(self.awq)
+        chosen, report = plan_mixed(losses, shapes, self.source.base, self.source.high, self.opts.mixed_precision)
+        self.plan.promote = {n: self.source.high.scheme for n in chosen}
+        self.plan.record["mixed_precision"] = report
+        log(f"mixed precision: {len(chosen)} of {len(losses)} tensors kept as {self.source.high.scheme} "
+            f"(+{report['extra_bytes'] / 1e6:.2f} MB), {time.perf_counter() - started:.1f} s")
+
+    def _candidates(self, block_names: list[str]) -> dict[str, ScaleGroup]:
+        """The block's 2-D weights the store quantizes with its scheme, as one-linear groups recording inputs."""
+        found = {}
+        for mlx in block_names:
+            name = self.canonical[mlx]
+            if not mlx.endswith(".weight") or self.source.quantizer_for(name) is None:
+                continue
+            if len(self.provider.reader.tensors()[self.provider.source_name(name)].shape) != 2:
+                continue
+            module = mlx.removesuffix(".weight")
+            found[name] = ScaleGroup(name, "tensor", -1, module, (name,), ())
+        return found
+
+    def manifest(self) -> dict[str, Any]:
+        """The manifest keys calibration adds: what it measured and applied."""
+        record = {k: v for k, v in self.plan.record.items() if k != "awq_from_first_pass"}
+        if self.opts.awq:
+            record["awq"] = self._awq_record()
+        if self.opts.gptq:
+            record["gptq"] = {
+                "applied": bool(self.gptq_tensors),
+                "decoder_skipped": self.why_not,
+                "method": f"GPTQ: columns rounded in order, each error spread by the inverse Hessian of the "
+                f"layer's calibration inputs (damping {DAMPING} of its mean diagonal); grids are the store's own",
+                "tensors": len(self.gptq_tensors),
+                "samples": int(sum(len(p) for p in self.picks)),
+            }
+        return record
+
+    def _awq_record(self) -> dict[str, Any]:
+        if self.why_not:
+            return {"applied": False, "reason": self.why_not}
+        mean_alpha = float(np.mean([r["alpha"] for r in self.awq.values()])) if self.awq else 0.0
+        log(f"AWQ: {len(self.awq)} groups, mean alpha {mean_alpha:.2f}")
+        return {
+            "applied": bool(self.awq),
+            "method": "per-input-channel s = mean|x|^alpha, alpha grid-searched per group on calibration "
+            "output error; folded into RMSNorm weights, v rows (o) and up rows (down)",
+            "grid": [*AWQ_GRID, "then best +- 0.05"],
+            "groups": self.awq,
+        }

@@ -1,29 +1,19 @@
-"""The source model in float32 and one pass of it over the calibration text: the perplexity there, and the
-statistics of every scale group's input (a group: the linears that read one input): mean |x| per channel and
-evenly spaced sample rows."""
+"""What calibration measures of a block's inputs as the block runs: for every scale group (the linears that read
+one input), mean |x| per channel and evenly spaced sample rows."""
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..evaluation import (
-    DEFAULT_WINDOW,
-    Window,
-    load_text,
-    nll_sum,
-    prepare_for_eval,
-    token_windows,
-    window_logprobs,
-)
-from ..provider import WeightProvider
+from ..evaluation import DEFAULT_WINDOW, Window, load_text, token_windows
+from .blocks import BlockRunner
 
 CALIBRATION_TEXT = "calibration"
 CALIBRATION_WINDOW = DEFAULT_WINDOW  # the gate's windows: the whole calibration text, 1024 tokens at a time
@@ -32,13 +22,6 @@ DEFAULT_SAMPLES = 512  # input rows kept per linear input for the AWQ error sear
 
 def log(message: str) -> None:
     print(f"calibrate: {message}", file=sys.stderr, flush=True)
-
-
-def source_model(provider: WeightProvider) -> tuple[nn.Module, Any]:
-    """The provider's model as mlx_lm builds it (what `squishlike.load` gives for a non-npy-dir source), in
-    float32, and its tokenizer."""
-    model, tokenizer, _ = provider.build_model()
-    return prepare_for_eval(model), tokenizer
 
 
 def calibration_windows(tokenizer, text: str = CALIBRATION_TEXT, max_tokens: int | None = None,
@@ -109,55 +92,60 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
 
 @dataclass
 class Calibration:
-    """What one float32 pass of the source model over the calibration text measured."""
+    """What one block's float32 pass over the calibration text measured of its groups' inputs."""
 
-    text: str
-    tokens: int
-    reference_ppl: float
     abs_mean: dict[str, np.ndarray]  # group name -> mean |x_j| over every calibration token
     samples: dict[str, np.ndarray]  # group name -> [n, in] float32 input rows, evenly spaced over the text
-    seconds: float = 0.0
 
 
-def collect(
-    model: nn.Module,
-    tokenizer,
-    groups: Sequence[ScaleGroup],
-    *,
-    text: str = CALIBRATION_TEXT,
-    samples: int = DEFAULT_SAMPLES,
-    max_tokens: int | None = None,
-) -> Calibration:
-    """Run `model` (float32) over the calibration text; record each group's input statistics and the perplexity."""
-    started = time.perf_counter()
-    windows = calibration_windows(tokenizer, text, max_tokens)
+def sample_positions(windows: Sequence[Window], samples: int) -> list[mx.array]:
+    """Per window, the input positions whose rows are kept: `samples` rows evenly spaced over the whole text."""
     total = sum(len(w.tokens) - 1 for w in windows)
     stride = max(1, math.ceil(total / max(samples, 1)))
+    picks, offset = [], 0
+    for w in windows:
+        n = len(w.tokens) - 1
+        picks.append(mx.array(np.arange((-offset) % stride, n, stride, dtype=np.int32)))
+        offset += n
+    return picks
+
+
+def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks: Sequence[mx.array],
+           hidden: Sequence[mx.array] | None = None) -> tuple[Calibration, list[mx.array]]:
+    """Run block `block` (loaded) on the windows' hidden states, recording each group's input statistics: what
+    the groups measured, and the block's outputs."""
     sinks = {g.name: _Sink() for g in groups}
     originals = {}
     try:
         for g in groups:
-            originals[g.module] = _replace(model, g.module, _Recorder(_module(model, g.module), sinks[g.name],
-                                                                       g.records_output))
-        nll, count, offset = 0.0, 0, 0
-        for window in windows:
-            n_inputs = len(window.tokens) - 1
-            first = (-offset) % stride
-            pick = mx.array(np.arange(first, n_inputs, stride, dtype=np.int32))
+            originals[g.module] = _replace(runner.model, g.module,
+                                           _Recorder(_module(runner.model, g.module), sinks[g.name], g.records_output))
+        outputs = []
+        for w, (h, pick) in enumerate(zip(runner.hidden if hidden is None else hidden, picks)):
             for sink in sinks.values():
                 sink.pick = pick
-            logprobs, targets = window_logprobs(model, window)
-            loss = nll_sum(logprobs, targets)
-            mx.eval(loss, *[a for s in sinks.values() for a in s.arrays()])
-            nll += float(loss.item())
-            count += window.n_scored
-            offset += n_inputs
+            outputs.append(runner.run_window(block, w, h))
+            mx.eval(*[a for s in sinks.values() for a in s.arrays()])
     finally:
         for path, original in originals.items():
-            _replace(model, path, original)
+            _replace(runner.model, path, original)
+    return _measured(sinks), outputs
+
+
+def record_output(x: Sequence[mx.array], group: ScaleGroup, picks: Sequence[mx.array]) -> Calibration:
+    """A group's statistics from inputs computed outside any block (the head's: the final norm's outputs)."""
+    sink = _Sink()
+    for h, pick in zip(x, picks):
+        sink.pick = pick
+        sink.add(h)
+        mx.eval(*sink.arrays())
+    return _measured({group.name: sink})
+
+
+def _measured(sinks: dict[str, _Sink]) -> Calibration:
     abs_mean = {k: np.array(s.abs_sum) / max(s.count, 1) for k, s in sinks.items()}
     rows = {k: np.concatenate([np.array(r) for r in s.rows], axis=0) for k, s in sinks.items()}
-    return Calibration(text, total, math.exp(nll / count), abs_mean, rows, time.perf_counter() - started)
+    return Calibration(abs_mean, rows)
 
 
 def _module(model: nn.Module, path: str) -> nn.Module:

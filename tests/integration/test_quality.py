@@ -19,7 +19,13 @@ from support.tiny_models import TINY_CONFIGS, assert_same_weights, cosine, logit
 
 import squishlike
 from squishlike import calibration as calibrate
+from mlx.utils import tree_flatten
+from support.arch_sweep import ARCH_CONFIGS
+
+from squishlike.calibration.stats import sample_positions
 from squishlike.errors import AccuracyGateError, TierNotReadyError
+from squishlike.evaluation import prepare_for_eval
+from squishlike.model import new_model
 from squishlike.npydir import NpyDir
 from squishlike.info import inspect_model
 from squishlike.provider import WeightProvider
@@ -43,15 +49,73 @@ def loud_llama(tmp_path, tokenizer_dir):
     return amplified(make_hf_model(tmp_path / "loud", TINY_CONFIGS["llama"], tokenizer_dir), 4.0)
 
 
+def float_model(provider):
+    """The whole source model in float32: for checking the block-by-block pass, on tiny models only."""
+    model, tokenizer, _ = provider.build_model()
+    return prepare_for_eval(model), tokenizer
+
+
+def source_weights(provider):
+    canonical = {provider.mlx_name(n): n for n in provider.names()}
+    return list(canonical), lambda names: ((n, provider.get(canonical[n])) for n in names)
+
+
+def block_statistics(provider, tokenizer, groups, samples):
+    """Every group's calibration statistics, gathered one block at a time as compress gathers them."""
+    windows = calibrate.calibration_windows(tokenizer, max_tokens=CALIB_TOKENS)
+    runner = calibrate.BlockRunner(new_model(provider.dense_config()), *source_weights(provider), windows)
+    picks = sample_positions(windows, samples)
+    abs_mean, rows = {}, {}
+    for i in range(len(runner)):
+        runner.load(i)
+        calib, runner.hidden = calibrate.record(runner, i, [g for g in groups if g.layer == i], picks)
+        runner.release(i)
+        abs_mean.update(calib.abs_mean)
+        rows.update(calib.samples)
+    return calibrate.Calibration(abs_mean, rows)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_blocks_one_at_a_time_give_the_whole_models_logits(tmp_path, tokenizer_dir, arch):
+    """The block-by-block pass computes what the whole float32 model computes (gemma3's layers take masks of two
+    kinds, sliding and global), with one block's weights loaded at a time."""
+    src = make_hf_model(tmp_path / arch, TINY_CONFIGS[arch], tokenizer_dir)
+    with WeightProvider.open(src) as provider:
+        model, tokenizer = float_model(provider)
+        windows = calibrate.calibration_windows(tokenizer, max_tokens=200, window=64)
+        runner = calibrate.BlockRunner(new_model(provider.dense_config()), *source_weights(provider), windows)
+        hidden = runner.hidden
+        for i in range(len(runner)):
+            loaded = runner.load(i)
+            assert all(a.dtype == mx.float32 for _, a in tree_flatten(loaded.parameters()))
+            hidden = runner.run(i, hidden)
+            runner.release(i)
+        for w, h in zip(windows, hidden):
+            want = model(mx.array(w.tokens[:-1])[None])[0].astype(mx.float32)
+            assert mx.abs(runner.logits(h, w) - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
+
+
+def test_a_model_whose_layers_cannot_run_alone_is_compressed_uncalibrated(tmp_path, tokenizer_dir):
+    """talkie's layers take the embeddings first and the hidden state second: no block can be run alone, so
+    compress rounds to nearest and says why in the manifest."""
+    src = make_hf_model(tmp_path / "talkie", ARCH_CONFIGS["talkie"], tokenizer_dir)
+    with pytest.warns(UserWarning, match="calibration stopped"):
+        out = squishlike.compress(src, tmp_path / "t4", scheme="int4", calibration_max_tokens=128)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "hand the hidden state straight on" in manifest["calibration"]["stopped"]
+    assert manifest["gptq"]["applied"] is False
+    squishlike.load(out)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_awq_fold_is_exact_in_float(tmp_path, tokenizer_dir, arch):
     """Scaling columns and folding 1/s into the norms, v rows (GQA-tied) and up rows changes nothing in float."""
     src = make_hf_model(tmp_path / arch, TINY_CONFIGS[arch], tokenizer_dir)
     with WeightProvider.open(src) as provider:
-        model, tokenizer = calibrate.source_model(provider)
+        model, tokenizer = float_model(provider)
         groups, why_not = calibrate.scale_groups(model, provider)
         assert why_not is None and len(groups) == 4 * TINY_CONFIGS[arch]["num_hidden_layers"]
-        calib = calibrate.collect(model, tokenizer, groups, max_tokens=CALIB_TOKENS, samples=64)
+        calib = block_statistics(provider, tokenizer, groups, samples=64)
         assert calib.samples["layers.0.down"].shape == (64, TINY_CONFIGS[arch]["intermediate_size"])
         transform = calibrate.Transform()
         for g in groups:  # alpha = 1: the strongest scaling the search can pick
@@ -59,7 +123,7 @@ def test_awq_fold_is_exact_in_float(tmp_path, tokenizer_dir, arch):
         spread = max(float(s.max() / s.min()) for s in transform.col.values())
         assert spread > 2.0  # a real rescaling, not the identity
         assert "layers.0.attention.v.weight" in transform.row and "layers.0.ffn.up.weight" in transform.row
-        folded, _ = calibrate.source_model(provider)
+        folded, _ = float_model(provider)
         folded.load_weights([
             (provider.mlx_name(n), mx.array(transform.apply(n, np.array(provider.get(n), np.float32))))
             for n in provider.names()

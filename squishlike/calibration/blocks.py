@@ -1,0 +1,231 @@
+"""The source model run one block at a time over the calibration text, in bounded memory.
+
+A block is what mlx_lm's model class calls a layer (`model.layers[i]`). The model is built without its weights
+(mlx_lm's modules start with random, unevaluated arrays: no memory); only the weights outside the blocks
+(embeddings, final norm, head) are read up front, in their stored dtype. One pass of the model with every block
+replaced by a catcher records what the model hands each block besides the hidden state (attention masks, a
+block's own per-layer inputs), and the input of the first block. From then on a block's weights are read from the
+source as float32 when its turn comes (`load`), it runs on the calibration windows' hidden states (`run`), and its
+weights are dropped again (`release`): at any time one block's weights and the windows' hidden states are held,
+never the whole model, so peak memory does not grow with depth.
+
+The math runs on MLX's default device: the GPU where there is one (Metal, CUDA), else the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from ..errors import UnsupportedArchitectureError
+from ..evaluation import Window, nll_sum
+
+WeightSource = Callable[[Sequence[str]], Iterable[tuple[str, mx.array]]]  # mlx names -> (name, array), lazily
+
+
+class _Captured(Exception):
+    """Ends the capture pass once the last block was reached: the final norm and head are not needed."""
+
+
+class _StandIn(nn.Module):
+    """Takes a block's place in the model; what the model asks of the block itself (`layer.use_sliding`) is the
+    block's."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_block", block)
+
+    def __getattr__(self, key):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_block"), key)
+
+
+class _Catcher(_StandIn):
+    """Stands in for a block in the capture pass: records the call's arguments besides the hidden state and hands
+    on a new array of the hidden state's values. The next catcher must receive that very array as its first
+    argument: a model that changes the hidden state between its layers, or passes it elsewhere than first (talkie's
+    blocks take the embeddings first), cannot be run one block at a time, and `broken` says why."""
+
+    def __init__(self, block: nn.Module, calls: list, handed: dict, first: bool, last: bool):
+        super().__init__(block)
+        self._calls, self._handed, self._first, self._last = calls, handed, first, last
+        self.hidden: mx.array | None = None
+
+    def __call__(self, *args, **kwargs):
+        if not args:
+            self._handed["broken"] = "its layers take the hidden state by keyword"
+            raise _Captured
+        x, rest = args[0], args[1:]
+        if self._first:
+            self.hidden = x.astype(mx.float32)
+        elif x is not self._handed.get("out"):
+            self._handed["broken"] = "its layers do not hand the hidden state straight on to the next layer"
+        self._calls.append((rest, kwargs))
+        if self._last:
+            raise _Captured
+        self._handed["out"] = mx.array(x)
+        return self._handed["out"]
+
+
+class _Replay(_StandIn):
+    """Stands in for a block when the model's own tail (final norm, head, soft-capping) turns the last block's
+    output into logits: the last block's stand-in returns that output, the others pass their input on."""
+
+    def __init__(self, block: nn.Module, output: mx.array | None):
+        super().__init__(block)
+        self._output = output
+
+    def __call__(self, x, *args, **kwargs):
+        return x if self._output is None else self._output
+
+
+@dataclass(frozen=True)
+class _Slot:
+    container: list  # the list the model iterates over
+    index: int
+    prefix: str  # the block's parameters' mlx names start with this ("model.layers.3.")
+
+
+def block_slots(model: nn.Module) -> list[_Slot]:
+    """Where each of `model.layers` sits in the module tree; a typed error when mlx_lm's model has no such list."""
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+        raise UnsupportedArchitectureError(f"{type(model).__module__}: the model has no list of layers to run "
+                                           "one at a time")
+    wanted = {id(b): i for i, b in enumerate(blocks)}
+    slots: dict[int, _Slot] = {}
+    for path, module in model.named_modules():
+        for key, value in module.items():
+            if isinstance(value, list):
+                for j, item in enumerate(value):
+                    if id(item) in wanted and id(item) not in slots:
+                        slots[id(item)] = _Slot(value, j, f"{path}.{key}.{j}." if path else f"{key}.{j}.")
+    if len(slots) != len(wanted):
+        raise UnsupportedArchitectureError(f"{type(model).__module__}: {len(wanted) - len(slots)} of its layers "
+                                           "are not in a list the model calls")
+    return [slots[id(b)] for b in blocks]
+
+
+class BlockRunner:
+    """A model's blocks over the token windows `windows`, one block's weights in memory at a time.
+
+    `weights(names)` reads the named mlx parameters (lazily is fine); `names` are every parameter the source
+    holds, by mlx name. `hidden[w]` is window w's hidden state entering the next block to run."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], weights: WeightSource, windows: Sequence[Window]):
+        self.model, self.weights, self.windows = model, weights, list(windows)
+        model.eval()
+        self.slots = block_slots(model)
+        self.block_names: list[list[str]] = [[] for _ in self.slots]
+        outside = []
+        for name in names:
+            block = next((i for i, s in enumerate(self.slots) if name.startswith(s.prefix)), None)
+            (outside if block is None else self.block_names[block]).append(name)
+        self.outside_names = outside
+        # Outside the blocks: embeddings and head stay in their stored dtype (at 7B, 2.2 GB each in float32); the
+        # hidden states they produce are made float32.
+        loaded = [(n, a if a.ndim > 1 else a.astype(mx.float32)) for n, a in weights(outside)]
+        model.load_weights(loaded, strict=False)
+        mx.eval([a for _, a in loaded])  # not model.parameters(): the blocks' random arrays stay unevaluated
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.slots]
+        self.hidden = [self._capture(w) for w in self.windows]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def block(self, i: int) -> nn.Module:
+        return self.slots[i].container[self.slots[i].index]
+
+    def _swap(self, stand_ins: Sequence[nn.Module]) -> list[nn.Module]:
+        old = [self.block(i) for i in range(len(self.slots))]
+        for s, m in zip(self.slots, stand_ins):
+            s.container[s.index] = m
+        return old
+
+    def _capture(self, window: Window) -> mx.array:
+        n = len(self.slots)
+        handed: dict = {}
+        catchers = [_Catcher(self.block(i), self.calls[i], handed, i == 0, i == n - 1) for i in range(n)]
+        blocks = self._swap(catchers)
+        try:
+            self.model(_inputs(window))
+        except _Captured:
+            pass
+        except Exception as e:  # noqa: BLE001 - mlx_lm's code around its layers wanted more than the hidden state
+            handed.setdefault("broken", f"its forward pass needs more from a layer than the hidden state ({e})")
+        finally:
+            self._swap(blocks)
+        if catchers[0].hidden is None or any(len(c) != len(self.calls[0]) for c in self.calls):
+            handed.setdefault("broken", "its forward pass does not call every layer once")
+        if "broken" in handed:
+            raise UnsupportedArchitectureError(f"{type(self.model).__module__}: cannot run one layer at a time: "
+                                               f"{handed['broken']}")
+        mx.eval(catchers[0].hidden)
+        return catchers[0].hidden
+
+    def load(self, i: int) -> nn.Module:
+        """Block `i` with its source weights in float32."""
+        self.model.load_weights([(n, a.astype(mx.float32)) for n, a in self.weights(self.block_names[i])],
+                                strict=False)
+        block = self.block(i)
+        mx.eval(block.parameters())
+        return block
+
+    def set_weights(self, i: int, arrays: Iterable[tuple[str, mx.array]]) -> None:
+        """Replace some of block `i`'s weights (mlx names) with `arrays`, made float32."""
+        self.model.load_weights([(n, a.astype(mx.float32)) for n, a in arrays], strict=False)
+
+    def release(self, i: int) -> None:
+        """Drop block `i`'s weights: unevaluated zeros in their place hold no memory."""
+        block = self.block(i)
+        block.update(tree_map(lambda a: mx.zeros(a.shape, a.dtype), block.parameters()))
+
+    def run(self, i: int, hidden: Sequence[mx.array] | None = None) -> list[mx.array]:
+        """Block `i` (loaded) on each window's hidden state (`self.hidden` by default): the outputs, evaluated."""
+        return [self.run_window(i, w, h) for w, h in enumerate(self.hidden if hidden is None else hidden)]
+
+    def run_window(self, i: int, window: int, hidden: mx.array) -> mx.array:
+        """Block `i` on one window's hidden state, with what the model hands it for that window."""
+        args, kwargs = self.calls[i][window]
+        try:
+            out = self.block(i)(hidden, *args, **kwargs)
+            mx.eval(out)
+        except (ValueError, TypeError, AttributeError) as e:  # a layer that needs what another layer made
+            raise UnsupportedArchitectureError(f"{type(self.model).__module__}: layer {i} cannot run alone: {e}") \
+                from e
+        return out
+
+    def module(self, path: str) -> nn.Module:
+        return dict(self.model.named_modules())[path]
+
+    def logits(self, final: mx.array, window: Window) -> mx.array:
+        """The model's logits for `window` given the last block's output `final`: the model's own tail (final
+        norm, head, soft-capping) runs on it."""
+        n = len(self.slots)
+        blocks = self._swap([_Replay(self.block(i), final if i == n - 1 else None) for i in range(n)])
+        try:
+            return self.model(_inputs(window))[0].astype(mx.float32)
+        finally:
+            self._swap(blocks)
+
+
+    def perplexity(self, final: Sequence[mx.array]) -> float:
+        """Perplexity on the windows, given each window's last block output."""
+        nll, count = 0.0, 0
+        for h, window in zip(final, self.windows):
+            logits = self.logits(h, window)[window.first_target - 1:]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            nll += nll_sum(logprobs, mx.array(window.tokens[window.first_target:], dtype=mx.int32)).item()
+            count += window.n_scored
+        return math.exp(nll / max(count, 1))
+
+
+def _inputs(window: Window) -> mx.array:
+    return mx.array(window.tokens[:-1], dtype=mx.int32)[None]
