@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 import warnings
@@ -25,12 +26,14 @@ from . import quant
 from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
 from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
-from .errors import AccuracyGateError, OutputExistsError, QuantizationError
+from .errors import AccuracyGateError, FormatError, OutputExistsError, QuantizationError
 from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir
 from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
 from .provider import WeightProvider
-from .io.atomic import make_temp_dir, publish_dir, sweeping_temps
+from . import resume
+from .io.atomic import publish_dir, sweeping_temps
+from .io.fault import fault_point
 from .io.lock import exclusive
 from .options import checks_options
 
@@ -163,11 +166,22 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
         with (exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"),
               sweeping_temps(out.parent, out.name)):
             _check_output(out, opts.force)  # it may have appeared while we waited
-            tmp = make_temp_dir(out)
-            writer, plan = _write_store(provider, tmp, opts)
-            if opts.format == "int3":
-                _gate_int3(provider, writer, out, opts, plan)
-            publish_dir(tmp, out)
+            tmp = resume.partial_dir(out, {"source": source_fingerprint(Path(provider.reader.path)),
+                                           "options": asdict(opts)})
+            try:
+                writer, plan = _write_store(provider, tmp, opts)
+                if opts.format == "int3":
+                    _gate_int3(provider, writer, out, opts, plan)
+                resume.clear(tmp)
+                publish_dir(tmp, out)
+            except KeyboardInterrupt:
+                if tmp.is_dir():
+                    print(f"compress: interrupted; the finished layers are kept in {tmp}: the same command goes "
+                          "on from there", file=sys.stderr)
+                raise
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         dtype = source_dtype(provider)
         source_bytes = sum(t.nbytes for t in provider.reader.tensors().values())
     manifest = writer.manifest
@@ -253,26 +267,40 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
 
 def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
     """Quantize every tensor of the source into the npy-dir at `tmp`, one block after another (calibrating each
-    first when the options ask for it); returns its writer, the manifest written, and the calibration plan (None
-    without calibration)."""
+    first when the options ask for it), going on from the last finished block of a killed run into `tmp`; returns
+    its writer, the manifest written, and the calibration plan (None without calibration)."""
     from .model import new_model, parameter_shapes  # imports mlx_lm
 
     runtime = opts.dtype or runtime_dtype(provider)
     infos = provider.reader.tensors()
+    writer = _reopen(tmp, runtime)
     side_files = provider.write_side_files(tmp)  # first: what a load would refuse in them costs no tensor work
     model = new_model(provider.dense_config(), provider.reader.path)
     provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
     kinds = weight_kinds(provider, model)  # the model decides what is quantized
-    writer = NpyDirWriter(tmp, runtime)
     calibrator = _calibrator(provider, opts, tmp)
     plan = calibrator.plan if calibrator is not None else None
-    units = calibrator.units() if calibrator is not None else iter([("model", provider.names())])
-    with tqdm(total=sum(t.nbytes for t in infos.values()), unit="B", unit_scale=True, desc="compress", disable=None,
-              file=sys.stderr) as bar:
+    units = calibrator.units() if calibrator is not None else block_units(provider.names())
+    start = 0
+    if writer.tensors and (found := resume.latest(tmp, [names for _, names in units], set(writer.tensors))):
+        start, state, arrays = found
+        if calibrator is not None:
+            calibrator.restore(state, arrays)
+        print(f"compress: going on from {units[start - 1][0]} of a killed run ({tmp})", file=sys.stderr)
+    elif writer.tensors:  # nothing to go on from: start over
+        shutil.rmtree(tmp)
+        writer = _reopen(tmp, runtime)
+        side_files = provider.write_side_files(tmp)
+    done_bytes = sum(infos[provider.source_name(n)].nbytes for n in writer.tensors if provider.source_name(n) in infos)
+    with tqdm(total=sum(t.nbytes for t in infos.values()), initial=done_bytes, unit="B", unit_scale=True,
+              desc="compress", disable=None, file=sys.stderr) as bar:
         pipeline = _Pipeline(bar)
         try:
-            for what, names in units:
+            for k in range(start, len(units)):
+                what, names = units[k]
                 bar.set_postfix_str(what, refresh=False)
+                if calibrator is not None:
+                    calibrator.prepare(k)
                 for name in names:
                     info = infos.get(provider.source_name(name))
                     entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime,
@@ -280,12 +308,43 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
                     nbytes = info.nbytes if info else array.nbytes
                     pipeline.submit(nbytes, _finish_tensor, writer, name, entry, array, src_dtype, parts, checked)
                 pipeline.drain()
+                if calibrator is not None:
+                    calibrator.done(k)
+                resume.save(tmp, k + 1, *(calibrator.state() if calibrator is not None else ({}, {})))
+                fault_point(f"compress-unit:{k}")
+                writer.checkpoint()
+                resume.forget_before(tmp, k + 1)
         finally:
             pipeline.close()
     if calibrator is not None:
         opts.extra_manifest = {**calibrator.manifest(), **opts.extra_manifest}
     _finish_store(provider, writer, opts, side_files)
     return writer, plan
+
+
+def _reopen(tmp: Path, runtime: str) -> NpyDirWriter:
+    """The writer over `tmp`: a new one, or the one a killed run left there (with its checkpoint's tensors)."""
+    if tmp.is_dir():
+        try:
+            return NpyDirWriter.reopen(tmp, runtime)
+        except FormatError:
+            shutil.rmtree(tmp)
+    tmp.mkdir()
+    return NpyDirWriter(tmp, runtime)
+
+
+def block_units(names: list[str]) -> list[tuple[str, list[str]]]:
+    """`names` (in model order) cut where the block they belong to changes ("layers.3." ...): the units a compress
+    without calibration writes, and resumes, by."""
+    from .model import BLOCK
+
+    units: list[tuple[str, list[str]]] = []
+    for name in names:
+        block = m.group(0).rstrip(".") if (m := BLOCK.match(name)) else "outside the layers"
+        if not units or units[-1][0] != block:
+            units.append((block, []))
+        units[-1][1].append(name)
+    return units
 
 
 def _calibrator(provider: WeightProvider, opts: CompressOptions, side_files: Path):

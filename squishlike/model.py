@@ -170,14 +170,14 @@ def quantize_as_stored(model: nn.Module, config: dict[str, Any], weights: dict[s
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_transformer_layers")
 # A parameter in a list of blocks: the path up to its first index names the list (`model.layers`, afm7's
 # `model.kv_reuse_layers`, GPT-2's `h`, a vision tower's), the index the block
-_BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
+BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 def check_against_weights(config: dict[str, Any], weights: dict[str, mx.array], source: str | Path) -> None:
     """Refuse, before building anything, a config the weights cannot fill: more layers than the weights have
     blocks (a config claiming 2**31 layers would otherwise allocate for minutes), or a quantization block of the
     wrong types."""
-    blocks = len({m.groups() for name in weights if (m := _BLOCK.match(name))})
+    blocks = len({m.groups() for name in weights if (m := BLOCK.match(name))})
     text_config = config.get("text_config")
     for where, part in (("", config), ("text_config.", text_config if isinstance(text_config, dict) else {})):
         for key in LAYER_COUNT_KEYS:

@@ -9,6 +9,8 @@ for the group's columns as they stand when the group is reached. The result is t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
@@ -20,54 +22,76 @@ from .stats import ScaleGroup
 
 DAMPING = 0.01  # of the Hessian's mean diagonal, added to its diagonal (the paper's and mlx_lm's value)
 BATCH = 256  # columns whose errors are spread onto the later columns in one product (the paper's lazy batch: 128)
+# Inputs at most this wide get one factor of their whole Hessian; a wider input (an MLP's down projection: 8,960
+# columns at 1.5B, 18,944 at 7B) is factored in spans of this many columns, each error spread within its span.
+# The factorisation costs width^3 on the CPU (MLX has no GPU Cholesky): at 8,960 columns two factorisations of
+# 0.24 TFLOP a layer, in spans 29 GFLOP; at 18,944, 4.3 GB of factors at once, in spans 16 MB each.
+HESSIAN_SPAN = 2048
 _PACK = {"int4": quant.pack_int4, "int3": quant.pack_int3, "int8g": lambda q: q}
 
 
-def inverse_hessian_factor(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(u, dead) for calibration inputs `x` (float32 [n, cols]): u (float32 [cols, cols]) the upper Cholesky factor
-    of H^-1, H = x^T x damped, whose row k says how column k's rounding error spreads onto the later columns; dead
-    (bool [cols]) the inputs that are always zero, whose weights do not matter.
+@dataclass(frozen=True)
+class FactorSpan:
+    """The inverse-Hessian factor of columns start .. start + len(dead) of a layer's input."""
 
-    With mlx's LAPACK on the CPU (NumPy's, on two busy cores, was 40x slower) and in float32, as mlx_lm's GPTQ.
-    One Cholesky factorisation and one triangular inverse, not an inverse and a factorisation: the lower factor L
-    of H with its rows and columns reversed (J H J = L L^T) gives H = (J L J)(J L J)^T, so u = (J L J)^-1 = J L^-1 J.
+    start: int
+    u: np.ndarray  # float32 [n, n]: upper Cholesky factor of the span's H^-1
+    dead: np.ndarray  # bool [n]: inputs that are always zero, whose weights do not matter
+
+
+def inverse_hessian_factor(x: np.ndarray, span: int = HESSIAN_SPAN) -> list[FactorSpan]:
+    """The factors for calibration inputs `x` (float32 [n, cols]), one per span of `span` columns: u the upper
+    Cholesky factor of H^-1, H = x^T x damped (over the span's columns), whose row k says how column k's rounding
+    error spreads onto the later columns of its span; dead the inputs that are always zero.
+
+    H on MLX's default device (the GPU where there is one); its factorisation with MLX's LAPACK on the CPU (MLX has
+    no GPU Cholesky; NumPy's, on two busy cores, was 40x slower), in float32, as mlx_lm's GPTQ. One Cholesky
+    factorisation and one triangular inverse, not an inverse and a factorisation: the lower factor L of H with its
+    rows and columns reversed (J H J = L L^T) gives H = (J L J)(J L J)^T, so u = (J L J)^-1 = J L^-1 J.
     """
-    with mx.stream(mx.cpu):
-        xs = mx.array(x)
-        h = xs.T @ xs
+    xs = mx.array(x)
+    spans = []
+    for start in range(0, xs.shape[1], span):
+        xc = xs[:, start:start + span]
+        h = xc.T @ xc
         dead = mx.diag(h) == 0
         h = h + mx.diag(dead.astype(mx.float32))  # a dead input's column: unconstrained, and H stays invertible
         h = h + DAMPING * mx.mean(mx.diag(h)) * mx.eye(h.shape[0])
-        lower = mx.linalg.cholesky(h[::-1, ::-1])
-        u = mx.linalg.tri_inv(lower, upper=False)[::-1, ::-1]
-        return np.array(u), np.array(dead)
+        lower = mx.linalg.cholesky(h[::-1, ::-1], stream=mx.cpu)
+        u = mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)[::-1, ::-1]
+        spans.append(FactorSpan(start, np.array(u), np.array(dead)))
+    return spans
 
 
-def gptq(w: np.ndarray, qz: Quantizer, factor: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+def gptq(w: np.ndarray, qz: Quantizer, factor: list[FactorSpan]) -> tuple[np.ndarray, ...]:
     """`w` (float32 [rows, cols]) quantized with `qz`'s grouped scheme so that `x @ w.T` changes least on the
     calibration inputs x whose `inverse_hessian_factor` is `factor`; the scheme's parts (codes, scales, offsets).
 
-    Group by group: the Rust kernel rounds the group's columns in turn, each error spread onto the group's later
-    columns (`quant.gptq_group`, rows in parallel), and a matrix product spreads its errors onto the rest of its
-    batch of columns; each batch's errors reach the columns after it in one product (the paper's lazy batch update)."""
-    u, dead = factor
+    Span by span, group by group: the Rust kernel rounds the group's columns in turn, each error spread onto the
+    group's later columns (`quant.gptq_group`, rows in parallel), and a matrix product spreads its errors onto the
+    rest of its batch of columns; each batch's errors reach the span's columns after it in one product (the paper's
+    lazy batch update)."""
     rows, cols = w.shape
     g = qz.group_size
     w = np.array(w, dtype=np.float32)  # each group's columns become its scaled rounding errors
-    w[:, dead] = 0
     codes = np.empty((rows, cols), np.uint8)
     scales, biases = (np.empty((rows, cols // g), storage_dtype(qz.scale_dtype)) for _ in range(2))
     batch = max(g, BATCH // g * g)
-    for b in range(0, cols, batch):
-        end = min(b + batch, cols)
-        for i in range(b, end, g):
-            j = i + g
-            quant.gptq_group(qz.scheme, w, i, np.ascontiguousarray(u[i:j, i:j]), codes, scales, biases,
-                             group_size=g, scale_dtype=qz.scale_dtype, clip_search=qz.clip_search)
-            if j < end:
-                w[:, j:end] -= matmul(w[:, i:j], u[i:j, j:end])
-        if end < cols:
-            w[:, end:] -= matmul(w[:, b:end], u[b:end, end:])
+    for f in factor:
+        first, last = f.start, f.start + len(f.dead)
+        u = f.u
+        w[:, first:last][:, f.dead] = 0
+        for b in range(first, last, batch):
+            end = min(b + batch, last)
+            for i in range(b, end, g):
+                j = i + g
+                quant.gptq_group(qz.scheme, w, i, np.ascontiguousarray(u[i - first:j - first, i - first:j - first]),
+                                 codes, scales, biases, group_size=g, scale_dtype=qz.scale_dtype,
+                                 clip_search=qz.clip_search)
+                if j < end:
+                    w[:, j:end] -= matmul(w[:, i:j], u[i - first:j - first, j - first:end - first])
+            if end < last:
+                w[:, end:last] -= matmul(w[:, b:end], u[b - first:end - first, end - first:])
     return _PACK[qz.scheme](codes), scales, biases
 
 

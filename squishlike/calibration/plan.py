@@ -8,7 +8,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +22,7 @@ from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
 from .blocks import BlockRunner
-from .gptq import DAMPING, gptq, head_group, inverse_hessian_factor
+from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
 from .mixed import plan_mixed, tensor_losses
 from .quantizer import Quantizer
 from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions
@@ -42,7 +42,7 @@ class Plan:
     quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
     # The latest group's inverse-Hessian factor, shared by the linears that read one input (q, k, v; gate, up), which
     # compress reaches one after another. Only one is kept: a wide one (down's) is hundreds of MB.
-    _factor: tuple[str, tuple[np.ndarray, np.ndarray]] | None = field(default=None, init=False, repr=False)
+    _factor: tuple[str, list[FactorSpan]] | None = field(default=None, init=False, repr=False)
 
     def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
         """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
@@ -101,10 +101,10 @@ class _SourceWeights:
 
 
 class Calibrator:
-    """Calibration for one compress. `units()` yields the source's tensors in the order compress writes them
-    (the tensors outside the blocks, each block's, then the output head); before it yields a block it has run
-    that block over the calibration windows' hidden states and put in `plan` what compress needs to write it:
-    AWQ's scales for the block's groups, GPTQ's inputs for its linears. After compress has written a block, its
+    """Calibration for one compress. `units()` lists the source's tensors in the order compress writes them
+    (the tensors outside the blocks, each block's, then the output head); `prepare(k)` runs unit k's block over
+    the calibration windows' hidden states and puts in `plan` what compress needs to write it: AWQ's scales for
+    the block's groups, GPTQ's inputs for its linears. Once compress has written it (`done(k)`), the block's
     weights are dropped and its outputs are the next block's inputs. Mixed precision, which chooses among all
     tensors at once, measures every tensor's sensitivity in a first pass of the same kind, before anything is
     written. A model whose layers cannot run one at a time is compressed without calibration; the manifest
@@ -130,6 +130,7 @@ class Calibrator:
         self.awq: dict[str, dict] = {}
         self.gptq_tensors: set[str] = set()
         self.stopped: str | None = None  # why calibration stopped, when it did
+        self.runner: BlockRunner | None = None
         self.plan.record["calibration"] = {
             "text": "calibration",
             "tokens": sum(len(w.tokens) - 1 for w in self.windows),
@@ -142,36 +143,64 @@ class Calibrator:
         for n in names:
             yield n, self.provider.get(self.canonical[n])
 
-    def units(self) -> Iterator[tuple[str, list[str]]]:
-        """(what, canonical names) in write order; the plan is ready for each unit when it is yielded."""
-        started = time.perf_counter()
+    def units(self) -> list[tuple[str, list[str]]]:
+        """(what, canonical names) in the order compress writes them: the tensors outside the blocks, each block's,
+        then the output head's (whose GPTQ inputs exist once the last block ran). `prepare(k)` readies the plan for
+        unit k, `done(k)` lets its weights go."""
         try:
-            runner = BlockRunner(self.model, list(self.canonical), self._weights, self.windows)
+            self.runner = BlockRunner(self.model, list(self.canonical), self._weights, self.windows)
         except UnsupportedArchitectureError as e:
             self._stop(str(e))
-            yield "model", self.provider.names()
-            return
+            return [("model", self.provider.names())]
         head = set(self.head.members) if self.head is not None else set()
-        names = [[self.canonical[m] for m in block] for block in runner.block_names]
-        outside = [self.canonical[m] for m in runner.outside_names]
-        if self.opts.mixed_precision > 0:
-            first = list(runner.hidden)
-            self._mixed(runner)
-            runner.hidden = first
-        yield "embeddings", [n for n in outside if n not in head]
-        for i in range(len(runner)):
-            if self.stopped is None:
-                try:
-                    self._block(runner, i)
-                except UnsupportedArchitectureError as e:
-                    self._stop(str(e))
-            yield f"layer {i}", names[i]
-            runner.release(i)
-            self.plan.inputs.clear()
-        if self.stopped is None:
-            self._tail(runner)
-        yield "head", [n for n in outside if n in head]
-        log(f"calibration: {time.perf_counter() - started:.1f} s in all")
+        outside = [self.canonical[m] for m in self.runner.outside_names]
+        return [("embeddings", [n for n in outside if n not in head]),
+                *((f"layer {i}", [self.canonical[m] for m in block]) for i, block in enumerate(self.runner.block_names)),
+                ("head", [n for n in outside if n in head])]
+
+    def prepare(self, k: int) -> None:
+        """Make the plan ready for unit `k` of `units()`: run its block (or, for the head, the final norm; for the
+        first unit, mixed precision's first pass)."""
+        if self.runner is None or self.stopped is not None:
+            return
+        if k == 0 and self.opts.mixed_precision > 0:
+            first = list(self.runner.hidden)
+            self._mixed(self.runner)
+            self.runner.hidden = first
+        elif 0 < k <= len(self.runner):
+            try:
+                self._block(self.runner, k - 1)
+            except UnsupportedArchitectureError as e:
+                self._stop(str(e))
+        elif k == len(self.runner) + 1:
+            self._tail(self.runner)
+
+    def done(self, k: int) -> None:
+        """Unit `k` is written: its block's weights and GPTQ inputs go."""
+        if self.runner is not None and 0 < k <= len(self.runner):
+            self.runner.release(k - 1)
+        self.plan.inputs.clear()
+
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a resumed compress needs to go on after the units written so far: (JSON, arrays)."""
+        arrays = {f"hidden.{w}": np.array(h) for w, h in enumerate(self.runner.hidden)} if self.runner else {}
+        for kind, table in (("col", self.plan.transform.col), ("row", self.plan.transform.row)):
+            arrays.update({f"{kind}.{name}": v for name, v in table.items()})
+        return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
+                "promote": self.plan.promote, "stopped": self.stopped,
+                "reference_ppl": self.plan.reference_ppl}, arrays
+
+    def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Go on from `state` (what `state()` saved after the units a killed compress had written)."""
+        self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], state["promote"]
+        self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
+        self.plan.reference_ppl = state["reference_ppl"]
+        for key, value in arrays.items():
+            kind, _, name = key.partition(".")
+            if kind == "hidden":
+                self.runner.hidden[int(name)] = mx.array(value)
+            else:
+                getattr(self.plan.transform, kind)[name] = value
 
     def _stop(self, why: str) -> None:
         self.stopped = why

@@ -8,16 +8,21 @@ written last: a directory without one is no npy-dir (is_npydir).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..errors import FormatError
 from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from ..io.atomic import write_json
 from ..io.checksum import file_record
 from ..io.npy import write_npy_stream
 from .manifest import MANIFEST, TENSORS, FileRecord, Manifest, Policy, Source, TensorEntry
+
+
+JOURNAL = ".journal.json"  # the tensors written so far, in a directory being written (`checkpoint`)
 
 
 class NpyDirWriter:
@@ -49,6 +54,30 @@ class NpyDirWriter:
         }
         self.tensors[name] = entry
         return entry
+
+    def checkpoint(self) -> None:
+        """Record the tensors added so far in the directory's journal: a run killed after this point and reopened
+        (`reopen`) keeps them. The journal's one atomic write is the commit point."""
+        write_json(self.path / JOURNAL, {"tensors": {n: e.to_json() for n, e in self.tensors.items()}})
+
+    @classmethod
+    def reopen(cls, path: str | Path, runtime_dtype: str) -> NpyDirWriter:
+        """A writer over the directory a killed run left: the tensors of its last checkpoint, the files written
+        after it deleted. FormatError when the journal cannot be read (the caller starts over)."""
+        path = Path(path)
+        try:
+            raw = json.loads((path / JOURNAL).read_text())
+            tensors = {n: TensorEntry.from_json(n, e) for n, e in raw["tensors"].items()}
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise FormatError(path / JOURNAL, f"cannot resume from it: {e}") from None
+        writer = cls.__new__(cls)
+        writer.path, writer.runtime_dtype, writer.tensors = path, runtime_dtype, tensors
+        writer.side_files, writer.manifest = {}, None
+        kept = {e.part_file(suffix) for e in tensors.values() for suffix in e.kind.suffixes}
+        for f in (path / TENSORS).iterdir():
+            if f"{TENSORS}/{f.name}" not in kept:
+                f.unlink()
+        return writer
 
     def add_side_files(self, written: list[Path]) -> None:
         """Record the side files (config, tokenizer, ...) written into the directory, by file name."""
@@ -82,3 +111,4 @@ class NpyDirWriter:
 
     def _write(self) -> None:
         write_json(self.path / MANIFEST, self.manifest.to_json())  # atomic: a reader never sees half of it
+        (self.path / JOURNAL).unlink(missing_ok=True)  # a published store has no journal
