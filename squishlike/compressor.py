@@ -330,6 +330,7 @@ def _reopen(tmp: Path, runtime: str) -> NpyDirWriter:
         except FormatError:
             shutil.rmtree(tmp)
     tmp.mkdir()
+    fault_point(f"mkdtemp:{tmp.name.split('.partial-')[0].lstrip('.')}")
     return NpyDirWriter(tmp, runtime)
 
 

@@ -19,6 +19,9 @@ QWEN_1_5B = {
     "max_window_layers": 28, "use_sliding_window": False, "sliding_window": 32768, "hidden_act": "silu",
     "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
+# Qwen2.5-7B's shapes (the most common size on a 16 GB Mac): 7.6 B parameters, 15.2 GB of bf16, head untied.
+QWEN_7B = {**QWEN_1_5B, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False, "max_window_layers": 28}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -38,6 +41,8 @@ def _qwen_tensors(c: dict):
         yield p + "mlp.up_proj.weight", (inter, h)
         yield p + "mlp.down_proj.weight", (h, inter)
     yield "model.norm.weight", (h,)
+    if not c.get("tie_word_embeddings", True):
+        yield "lm_head.weight", (c["vocab_size"], h)
 
 
 def _built(dest: Path) -> bool:

@@ -140,14 +140,14 @@ def search_awq(
         quantizers = [quantizer_for(m) for m in g.members]
         if any(q is None for q in quantizers) or group_scales(g, calib.abs_mean[g.name], 0.0) is None:
             continue
-        ws = [weight(m) for m in g.members]
+        ws = [mx.array(weight(m)) for m in g.members]
         x = calib.samples[g.name]
         x = mx.array(x[np.linspace(0, len(x) - 1, min(rows, len(x))).astype(np.int64)])
         errors: dict[float, float] = {}
 
         def try_alpha(alpha: float) -> None:
-            s, _ = group_scales(g, calib.abs_mean[g.name], alpha)
-            change = np.concatenate([w - qz(w * s[None, :]) / s[None, :] for w, qz in zip(ws, quantizers)])
+            s = mx.array(group_scales(g, calib.abs_mean[g.name], alpha)[0])[None, :]
+            change = mx.concatenate([w - qz.on_device(w * s) / s for w, qz in zip(ws, quantizers)])
             errors[alpha] = output_error(x, change)
 
         for alpha in grid:

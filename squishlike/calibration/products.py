@@ -16,7 +16,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.array(mx.array(a) @ mx.array(b))
 
 
-def output_error(x: mx.array, d: np.ndarray) -> float:
+def output_error(x: mx.array, d: mx.array | np.ndarray) -> float:
     """||x d^T||^2: the squared change of a linear's outputs on inputs `x` ([n, cols]) when its weight changes by `d`
     ([rows, cols])."""
     y = x @ mx.array(d).T

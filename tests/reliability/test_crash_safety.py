@@ -36,7 +36,9 @@ from support.crash_harness import (
 
 LONG = os.environ.get("SQUISHLIKE_LONG") == "1"
 SEED = int(os.environ.get("SQUISHLIKE_CRASH_SEED", "7"))
-BOUNDARY_KINDS = {"lock", "mkdtemp", "write", "before-rename", "renamed", "before-publish", "publish", "published"}
+# compress-unit: after a block's tensors and its saved state, before the checkpoint that commits them (resume.py)
+BOUNDARY_KINDS = {"lock", "mkdtemp", "write", "before-rename", "renamed", "before-publish", "publish", "published",
+                  "compress-unit"}
 
 
 lab = lab_fixture()
