@@ -2,11 +2,12 @@
 chosen by measured sensitivity, and the INT3 accuracy gate.
 
 Everything here runs the *source* model in float32 on the shipped calibration text (`data/calibration.txt`, never
-the evaluation prose) and turns what it measures into a `Plan` that `compress` applies tensor by tensor:
+the evaluation prose), one layer at a time (`BlockRunner`, docs/design.md §7.1): never the whole model in memory.
+`Calibrator` turns what each layer's pass measures into the `Plan` that `compress` applies to that layer's
+tensors before the next layer runs:
 
-- Activation statistics (`collect`): every decoder layer's linear inputs are recorded through thin wrapper
-  modules: the per-channel mean |x| over all calibration tokens, and up to `samples` evenly spaced input rows.
-  The same forward pass also yields the reference perplexity on the calibration text that the INT3 gate uses.
+- Activation statistics (`record`): a layer's linear inputs are recorded through thin wrapper modules while it
+  runs: the per-channel mean |x| over all calibration tokens, and up to `samples` evenly spaced input rows.
 
 - AWQ-style scaling (`search_awq`): for each group of linears that read the same input, a per-input-channel scale
   `s_j = mean|x_j|^alpha` (normalised so that sqrt(max * min) = 1) multiplies the weights' columns and is folded,
@@ -26,22 +27,23 @@ the evaluation prose) and turns what it measures into a `Plan` that `compress` a
   plain-RMSNorm decoder families (llama, mistral, qwen2, qwen3); others are compressed without scaling and the
   manifest says why.
 
-- Mixed precision (`plan_mixed`): a diagonal-Fisher estimate of how much each linear's quantization error costs
-  in calibration loss, `0.5 * sum F * (W - W_hat)^2` with F the sum over calibration windows of the squared
-  gradient of the window's negative log-likelihood. The tensors whose higher-precision version saves the most
-  estimated loss per extra byte are promoted, greedily, until the extra bytes reach `mixed_precision` x the bytes
-  of the quantized tensors at the store's scheme: an INT4/INT3 store keeps them at INT8, an INT8 store keeps them
-  exact (passthrough, in the runtime dtype, like the norms). Each chosen entry says so in its manifest "reason".
+- GPTQ (`gptq`): each linear of a scaled family, and the output head, rounded column by column on its layer's
+  recorded inputs (docs/design.md §7.2 for where its factorisation runs).
 
-- The INT3 gate (`int3_gate`): the written (not yet published) store is loaded cold, and its perplexity on the
-  calibration text is compared with the source's; `evaluation.passes_gate` decides with the bound
-  `int3_max_ppl_increase` (default +8 %). The verdict goes into manifest["int3_gate"]; the int3 tier is built
-  only when it passed.
+- Mixed precision (`plan_mixed`): each quantized tensor's cost is the change of its layer's output on the
+  calibration inputs, measured at the store's scheme and at the higher one in a first block-by-block pass; the
+  tensors whose higher precision saves the most per extra byte are promoted, greedily, until the extra bytes reach
+  `mixed_precision` x the bytes of the quantized tensors at the store's scheme: an INT4/INT3 store keeps them at
+  INT8, an INT8 store keeps them exact (passthrough, in the runtime dtype). Each chosen entry says so in its
+  manifest "reason".
 
-All forward passes are float32 (`evaluation.prepare_for_eval`); on Linux CPU preload OpenBLAS for speed (the CLI
-does, see `openblas.reexec_with_openblas`); their matrix products and GPTQ's factorisations run in mlx
-(`products`), GPTQ's column loop in Rust. Cost on SmolLM2-135M, 2 busy cores: calibration pass 25-65 s, AWQ search
-~80 s, GPTQ ~30 s, Fisher pass ~1-2 min, gate ~35 s (benchmarks/README.md, "Compress time").
+- The INT3 gate (`int3_gate`): the written (not yet published) store's perplexity on the calibration text,
+  measured one layer at a time from the store, against the source's from the calibration pass;
+  `evaluation.passes_gate` decides with the bound `int3_max_ppl_increase` (default +8 %). The verdict goes into
+  manifest["int3_gate"]; the int3 tier is built only when it passed.
+
+All forward passes are float32; on Linux CPU preload OpenBLAS for speed (the CLI does, see
+`openblas.reexec_with_openblas`).
 """
 
 from .awq import Transform, add_scales, group_scales, scale_groups, search_awq

@@ -19,6 +19,10 @@ AWQ_GRID = tuple(i / 10 for i in range(11))  # alpha = 0 (round-to-nearest), 0.1
 # Calibration rows the search measures each alpha's output error on (evenly spaced among the collected samples).
 # The search only ranks alphas: on SmolLM2 128 rows choose as well as 512 at a quarter of the products.
 AWQ_SEARCH_ROWS = 128
+# Output rows of each member weight the trials round (evenly spaced): rows are rounded on their own, so fewer rows
+# estimate the same error. A 1.5B's gate and up have 8,960 rows each, SmolLM2's 1,536; with 512, SmolLM2's default
+# INT4 store measured KL 0.1817 against 0.1881 with every row (1,024 tokens; mlx_lm 4-bit: 0.4185), in less time.
+AWQ_WEIGHT_ROWS = 512
 AWQ_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -118,6 +122,10 @@ def add_scales(transform: Transform, g: ScaleGroup, scales: tuple[np.ndarray, np
         transform.row[f] = fold if f not in transform.row else transform.row[f] * fold
 
 
+def _rows(w: np.ndarray, most: int) -> np.ndarray:
+    return w if len(w) <= most else w[np.linspace(0, len(w) - 1, most).astype(np.int64)]
+
+
 def search_awq(
     groups: Sequence[ScaleGroup],
     calib: Calibration,
@@ -140,7 +148,7 @@ def search_awq(
         quantizers = [quantizer_for(m) for m in g.members]
         if any(q is None for q in quantizers) or group_scales(g, calib.abs_mean[g.name], 0.0) is None:
             continue
-        ws = [mx.array(weight(m)) for m in g.members]
+        ws = [mx.array(_rows(weight(m), AWQ_WEIGHT_ROWS)) for m in g.members]
         x = calib.samples[g.name]
         x = mx.array(x[np.linspace(0, len(x) - 1, min(rows, len(x))).astype(np.int64)])
         errors: dict[float, float] = {}

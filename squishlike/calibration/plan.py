@@ -3,7 +3,6 @@ calibration text (`Calibrator`): nothing ever holds the whole model in float32."
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ import numpy as np
 from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from ..config import load_config
 from ..errors import UnsupportedArchitectureError
-from ..model import model_tokenizer, new_model
+from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
 from ..quant.reference import from_float32, to_float32
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
@@ -79,12 +78,12 @@ class Plan:
         return scheme, reason
 
 
-
 class _SourceWeights:
     """The source model's weights as calibration reads them, and the quantizer the store will use for each."""
 
     def __init__(self, provider: WeightProvider, model: nn.Module, opts: CompressOptions, runtime: str):
         self.provider, self.opts = provider, opts
+        self.shapes = parameter_shapes(model)  # of the unevaluated model: no memory
         self.kinds = weight_kinds(provider, model)
         self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
         self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
@@ -93,10 +92,12 @@ class _SourceWeights:
         array = self.provider.get(name)
         return np.array(array.astype(mx.float32))
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[self.provider.mlx_name(name)]
+
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        shape = tuple(self.provider.reader.tensors()[self.provider.source_name(name)].shape)
-        scheme, _ = choose_scheme(name, shape, self.opts, self.kinds.get(name))
+        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
         return self.base if scheme == self.opts.scheme else None
 
 
@@ -216,13 +217,18 @@ class Calibrator:
         groups = self._block_groups(i)
         runner.load(i)
         calib, runner.hidden = record(runner, i, groups, self.picks)
-        if self.opts.awq and groups and not self.plan.record.get("awq_from_first_pass"):
+        if not self.plan.record.get("awq_from_first_pass"):
+            self._search_awq(groups, calib)
+        if self.opts.gptq:
+            self._gptq_inputs(groups, calib)
+
+    def _search_awq(self, groups: list[ScaleGroup], calib: Calibration) -> None:
+        """The AWQ scales of a block's groups, into the plan's transform and the manifest's report."""
+        if self.opts.awq and groups:
             transform, report = search_awq(groups, calib, self.source.weight, self.source.quantizer_for)
             self.plan.transform.col.update(transform.col)
             self.plan.transform.row.update(transform.row)
             self.awq.update(report)
-        if self.opts.gptq:
-            self._gptq_inputs(groups, calib)
 
     def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration) -> None:
         for g in groups:
@@ -253,19 +259,14 @@ class Calibrator:
             groups = [*self._block_groups(i), *candidates.values()]
             runner.load(i)
             calib, runner.hidden = record(runner, i, groups, self.picks)
-            if self.opts.awq and self._block_groups(i):
-                transform, report = search_awq(self._block_groups(i), calib, self.source.weight,
-                                               self.source.quantizer_for)
-                self.plan.transform.col.update(transform.col)
-                self.plan.transform.row.update(transform.row)
-                self.awq.update(report)
+            self._search_awq(self._block_groups(i), calib)
             for name, g in candidates.items():
                 w = self.source.weight(name)
                 shapes[name] = w.shape
                 losses[name] = tensor_losses(name, w, calib.samples[g.name], self.plan.transform,
                                              (self.source.base, self.source.high))
             runner.release(i)
-        if self.head is not None and (qz := self.source.quantizer_for(self.head.members[0])) is not None:
+        if self.head is not None and self.source.quantizer_for(self.head.members[0]) is not None:
             name = self.head.members[0]
             norm = runner.module(self.head.module)
             calib = record_output([norm(h) for h in runner.hidden], self.head, self.picks)
@@ -287,7 +288,7 @@ class Calibrator:
             name = self.canonical[mlx]
             if not mlx.endswith(".weight") or self.source.quantizer_for(name) is None:
                 continue
-            if len(self.provider.reader.tensors()[self.provider.source_name(name)].shape) != 2:
+            if len(self.source.shape(name)) != 2:
                 continue
             module = mlx.removesuffix(".weight")
             found[name] = ScaleGroup(name, "tensor", -1, module, (name,), ())
