@@ -41,14 +41,14 @@ GPTQ = "mlx_lm GPTQ"
 TARGETS = {"default": (GPTQ, 1.5), "rtn": (CONVERT, 1.2)}  # SmolLM2: method -> (baseline, most time ratio)
 
 
-def calibration_rows(tokenizer, rows: int = 4):
+def calibration_rows(tokenizer, max_tokens: int | None, rows: int = 4):
     """squishlike's calibration tokens as mlx_lm's GPTQ takes them: `rows` rows of equal length (the remainder of
     fewer than `rows` tokens dropped)."""
     import mlx.core as mx
 
     from squishlike.calibration import calibration_windows
 
-    tokens = [t for w in calibration_windows(tokenizer) for t in w.tokens[:-1]]
+    tokens = [t for w in calibration_windows(tokenizer, max_tokens=max_tokens) for t in w.tokens[:-1]]
     length = len(tokens) // rows
     return mx.array(tokens[:rows * length]).reshape(rows, length)
 
@@ -72,7 +72,7 @@ def child(method: str, src: str, out: str, options: dict) -> None:
         def run():  # in float32, mlx_lm's fastest on mlx[cpu] (bf16 matmuls are slow there)
             model, tokenizer, config = mlx_lm.load(src, lazy=True, return_config=True)
             model.set_dtype(mx.float32)
-            data = calibration_rows(tokenizer)
+            data = calibration_rows(tokenizer, options.get("calibration_max_tokens"))
             extra["tokens"] = int(data.size)
             gptq_quantize(model, data, 4, 64, 4, 64)
     else:
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {','.join(METHODS)}")
     parser.add_argument("--runs", type=int, default=1, help="runs per figure (the median is reported)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/squishlike-bench-compress"))
+    parser.add_argument("--calibration-tokens", type=int, help="squishlike's calibration_max_tokens (default: all)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--child", nargs=4, metavar=("METHOD", "SRC", "OUT", "OPTIONS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -159,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(methods) - set(METHODS):
         parser.error(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
     out = args.workdir / "out"
-    results: dict = {"model": args.model}
+    tokens = {"calibration_max_tokens": args.calibration_tokens} if args.calibration_tokens else {}
+    results: dict = {"model": args.model, "options": tokens}
     if args.model == "depth":  # the default compress at three depths, one width
         figures = {}
         for label, src in sources(args.model, args.workdir).items():
-            figures[label] = run_figures(["default"], src, out, args.runs)["default"]
+            figures[label] = run_figures(["default"], src, out, args.runs, tokens)["default"]
         peaks = [f["rss_peak"] for f in figures.values()]
         print("\nthe default INT4 compress of a 1.5B-wide model at three depths\n")
         table(figures, "7 layers")
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         [src] = sources(args.model, args.workdir).values()
         baselines = [CONVERT, GPTQ] if args.model == "smollm" else [CONVERT]
-        figures = run_figures([*baselines, *methods], src, out, args.runs)
+        figures = run_figures([*baselines, *methods], src, out, args.runs, tokens)
         print(f"\n{args.model} ({src}), {args.runs} run(s) per figure\n")
         table(figures, CONVERT)
         for method, (base, most) in TARGETS.items():

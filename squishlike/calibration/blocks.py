@@ -2,7 +2,8 @@
 
 A block is what mlx_lm's model class calls a layer (`model.layers[i]`). The model is built without its weights
 (mlx_lm's modules start with random, unevaluated arrays: no memory); only the weights outside the blocks
-(embeddings, final norm, head) are read up front, in their stored dtype. One pass of the model with every block
+(embeddings, final norm, head) are read up front, in their stored dtype, and the vocabulary-sized ones are
+dropped again once the capture pass is done (read again only for logits). One pass of the model with every block
 replaced by a catcher records what the model hands each block besides the hidden state (attention masks, a
 block's own per-layer inputs), and the input of the first block. From then on a block's weights are read from the
 source as float32 when its turn comes (`load`), it runs on the calibration windows' hidden states (`run`), and its
@@ -20,10 +21,11 @@ from typing import Callable, Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from ..errors import UnsupportedArchitectureError
 from ..evaluation import Window, nll_sum
+from ..model import embedding_weights
 
 WeightSource = Callable[[Sequence[str]], Iterable[tuple[str, mx.array]]]  # mlx names -> (name, array), lazily
 
@@ -131,11 +133,24 @@ class BlockRunner:
         self.outside_names = outside
         # Outside the blocks: embeddings and head stay in their stored dtype (at 7B, 2.2 GB each in float32); the
         # hidden states they produce are made float32.
-        loaded = [(n, a if a.ndim > 1 else a.astype(mx.float32)) for n, a in weights(outside)]
-        model.load_weights(loaded, strict=False)
-        mx.eval([a for _, a in loaded])  # not model.parameters(): the blocks' random arrays stay unevaluated
+        # The embeddings and the head are needed for the capture pass and for logits only: dropped in between.
+        self.vocabulary = [n for n in outside if n in embedding_weights(model)]
+        self._load_outside(outside)
         self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.slots]
         self.hidden = [self._capture(w) for w in self.windows]
+        self._drop(self.vocabulary)
+
+    def _load_outside(self, names: Sequence[str]) -> None:
+        loaded = [(n, a if a.ndim > 1 else a.astype(mx.float32)) for n, a in self.weights(names)]
+        self.model.load_weights(loaded, strict=False)
+        mx.eval([a for _, a in loaded])  # not model.parameters(): the blocks' random arrays stay unevaluated
+        self._vocabulary_loaded = True
+
+    def _drop(self, names: Sequence[str]) -> None:
+        """Unevaluated zeros in place of the mlx parameters `names`: they hold no memory."""
+        params = dict(tree_flatten(self.model.parameters()))
+        self.model.load_weights([(n, mx.zeros(params[n].shape, params[n].dtype)) for n in names], strict=False)
+        self._vocabulary_loaded = False
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -208,6 +223,8 @@ class BlockRunner:
     def logits(self, final: mx.array, window: Window) -> mx.array:
         """The model's logits for `window` given the last block's output `final`: the model's own tail (final
         norm, head, soft-capping) runs on it."""
+        if not self._vocabulary_loaded:
+            self._load_outside(self.vocabulary)
         n = len(self.slots)
         blocks = self._swap([_Replay(self.block(i), final if i == n - 1 else None) for i in range(n)])
         try:
@@ -224,6 +241,7 @@ class BlockRunner:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             nll += nll_sum(logprobs, mx.array(window.tokens[window.first_target:], dtype=mx.int32)).item()
             count += window.n_scored
+        self._drop(self.vocabulary)
         return math.exp(nll / max(count, 1))
 
 

@@ -63,7 +63,7 @@ class Plan:
             if name in self.transform.col:  # AWQ multiplied the weight's columns by s (the same for the whole
                 x = x / self.transform.col[name][None, :]  # group): its inputs are divided by s
             self._factor = group, inverse_hessian_factor(x)
-        return gptq(to_float32(array, src_dtype).reshape(array.shape[0], -1), qz, self._factor[1])
+        return gptq(array.reshape(array.shape[0], -1), src_dtype, qz, self._factor[1])
 
     def rewrites(self, name: str) -> bool:
         """Whether `apply` changes the values of `name` (AWQ scaling): a source's own quantized values then no

@@ -46,7 +46,7 @@ def test_factor_is_the_inverse_hessians(smollm_layer):
 
 def test_gptq_lowers_the_output_error_on_the_stores_grid(smollm_layer):
     w, x = smollm_layer
-    parts = gptq(w, QZ, inverse_hessian_factor(x))
+    parts = gptq(w, "float32", QZ, inverse_hessian_factor(x))
     nearest = quant.quantize("int4", w, group_size=64, scale_dtype="bfloat16", clip_search=True)
     assert [(p.shape, p.dtype) for p in parts] == [(p.shape, p.dtype) for p in nearest]
     assert output_error(x, w, parts) < 0.8 * output_error(x, w, nearest)
@@ -55,7 +55,7 @@ def test_gptq_lowers_the_output_error_on_the_stores_grid(smollm_layer):
 def test_uncorrelated_inputs_give_round_to_nearest(smollm_layer):
     """With H a multiple of I no error has anywhere to go: the codes and grid are plain rounding's, bit for bit."""
     w, _ = smollm_layer
-    parts = gptq(w, QZ, inverse_hessian_factor(np.eye(w.shape[1], dtype=np.float32)))
+    parts = gptq(w, "float32", QZ, inverse_hessian_factor(np.eye(w.shape[1], dtype=np.float32)))
     nearest = quant.quantize("int4", w, group_size=64, scale_dtype="bfloat16", clip_search=True)
     for got, want in zip(parts, nearest):
         assert np.array_equal(got, want)
@@ -66,7 +66,7 @@ def test_refuses_non_finite_weights(smollm_layer):
     w = w.copy()
     w[3, 100] = np.nan
     with pytest.raises(QuantizationError, match="NaN"):
-        gptq(w, QZ, inverse_hessian_factor(x))
+        gptq(w, "float32", QZ, inverse_hessian_factor(x))
 
 
 def test_a_wide_input_is_factored_span_by_span(smollm_layer):
@@ -78,6 +78,25 @@ def test_a_wide_input_is_factored_span_by_span(smollm_layer):
     for s in spans:
         [whole] = inverse_hessian_factor(np.ascontiguousarray(x[:, s.start:s.start + len(s.dead)]))
         np.testing.assert_array_equal(s.u, whole.u)
-    parts = gptq(w, QZ, spans)
+    parts = gptq(w, "float32", QZ, spans)
     nearest = quant.quantize("int4", w, group_size=64, scale_dtype="bfloat16", clip_search=True)
-    assert output_error(x, w, nearest) > output_error(x, w, parts) > output_error(x, w, gptq(w, QZ, inverse_hessian_factor(x)))
+    assert output_error(x, w, nearest) > output_error(x, w, parts) > output_error(x, w, gptq(w, "float32", QZ, inverse_hessian_factor(x)))
+
+
+def test_rows_go_a_block_at_a_time_with_the_same_result(smollm_layer, monkeypatch):
+    """A vocabulary-sized head is rounded ROW_BLOCK rows at a time: the rows are independent, so the parts are the
+    same as in one go, and its values may stay in their stored dtype until a block is made float32."""
+    from squishlike.calibration import gptq as gptq_module
+    from squishlike.quant.reference import from_float32
+
+    w, x = smollm_layer
+    factor = inverse_hessian_factor(x)
+    whole = gptq(w, "float32", QZ, factor)
+    monkeypatch.setattr(gptq_module, "ROW_BLOCK", 100)
+    for got, want in zip(gptq(w, "float32", QZ, factor), whole):
+        assert np.array_equal(got, want)
+    stored = from_float32(w, "bfloat16")
+    bf16 = gptq(stored, "bfloat16", QZ, factor)
+    monkeypatch.setattr(gptq_module, "ROW_BLOCK", 1 << 20)
+    for got, want in zip(bf16, gptq(stored, "bfloat16", QZ, factor)):
+        assert np.array_equal(got, want)
