@@ -222,6 +222,8 @@ LINKS = [
     ("load", "shards", True, None),  # a load never reads shares
     ("prune", "finalized", True, None),  # the link removed, not what it leads to
     ("prune", ".squishlike.lock", True, FormatError),
+    ("prune", "shards", True, None),  # a linked shards/ removed, never emptied
+    ("prune", "shards/tensor-1-0", True, None),
     ("verify", "finalized", True, None),
     ("verify", "shards/tensor-1-0", True, None),
     ("sharded_load", "shards", True, FormatError),
