@@ -131,6 +131,27 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         assert mx.array_equal(dense(tokens), reference(tokens)).item(), f"{fmt}: the store's model is not mlx_lm's"
 
 
+@pytest.mark.parametrize("arch, tie", [("seed_oss", None), ("llama4_text", True)])
+def test_a_head_that_multiplies_by_the_embedding_keeps_it_dense(arch, tie, tmp_path, tokenizer_dir):
+    """seed_oss (tied by its ModelArgs default when config.json leaves tie_word_embeddings out) and llama4's text
+    model, tied, compute their logits as `h @ embed_tokens.weight.T`: a quantized embedding's weight is its packed
+    codes, and the first forward failed ([matmul] ... shape (16,384)). The INT8 and INT4 stores keep that embedding
+    exact, and every tier's model runs, with the cold tier's weights."""
+    config = {k: v for k, v in ARCH_CONFIGS[arch].items() if k != "tie_word_embeddings"}
+    src = make_hf_model(tmp_path / arch, {**config, **({} if tie is None else {"tie_word_embeddings": tie})},
+                        tokenizer_dir)
+    assert not any(name.endswith("lm_head.weight") for name in flat_params(mlx_lm.load(str(src))[0]))
+    tokens = mx.array([TOKENS])
+    for fmt in ("int8", "int4"):
+        out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, **ROUND_TO_NEAREST)
+        assert NpyDir(out).entry("model.embed_tokens.weight").scheme == "passthrough"
+        dense, _ = squishlike.load(out, tier="cold")
+        served, _ = squishlike.load(out)  # on CPU as on a GPU: the quantized tier, read from the store
+        assert type(served.model.layers[0].self_attn.q_proj).__name__ != "Linear"
+        assert_same_weights(dense, served)
+        mx.eval(served(tokens), dense(tokens))
+
+
 @pytest.mark.parametrize("wrong", ["of the next layer", "transposed", "doubled"])
 def test_the_check_names_a_wrong_tensor(wrong, tmp_path, tokenizer_dir):
     """What a wrong rule does to a weight of the store's model fails the sweep's check, naming the weight."""
