@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..arch import architecture_for
-from ..dtypes import NP_STORAGE
+from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx
 from ..errors import FormatError
 from ..io import checksum
 from ..io.checksum import verify_files
@@ -198,3 +198,24 @@ def mlx_names(store: NpyDir) -> dict[str, str]:
         return {name: name for name in store.entries}
     arch = architecture_for(store.manifest.model_type)
     return {name: arch.mlx_name(name) for name in store.entries}
+
+
+def keep_uncast(model, store: NpyDir, lazy: bool = False) -> None:
+    """Give `model` (built from any tier of `store`) the parameters its own `cast_predicate` keeps out of the model's
+    dtype in their stored dtype, as mlx_lm.load of the source gives them: mlx_lm.convert casts every float but those
+    (qwen3_5's A_log, MoE routers' correction biases stay float32). Every tier holds the runtime dtype; the store
+    keeps a passthrough tensor's exact source values in its source dtype (docs/format.md §5), so those few small
+    tensors are read back from it."""
+    predicate = getattr(model, "cast_predicate", None)
+    if predicate is None:
+        return
+    names = mlx_names(store)
+    exact = [(names[name], to_mx(np.ascontiguousarray(store.load_part(name, entry.kind.suffixes[0])),
+                                 entry.stored_dtype))
+             for name, entry in store.entries.items()
+             if not entry.kind.quantized and entry.stored_dtype != store.runtime_dtype
+             and entry.stored_dtype in MX_DTYPES and not predicate(names[name])]
+    if exact:
+        model.load_weights(exact, strict=False)
+        if not lazy:
+            mx.eval([array for _, array in exact])
