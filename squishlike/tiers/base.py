@@ -200,21 +200,27 @@ def mlx_names(store: NpyDir) -> dict[str, str]:
     return {name: arch.mlx_name(name) for name in store.entries}
 
 
-def keep_uncast(model, store: NpyDir, lazy: bool = False) -> None:
+def keep_uncast(model, store: NpyDir, lazy: bool = False, kept: dict | None = None) -> None:
     """Give `model` (built from any tier of `store`) the parameters its own `cast_predicate` keeps out of the model's
     dtype in their stored dtype, as mlx_lm.load of the source gives them: mlx_lm.convert casts every float but those
     (qwen3_5's A_log, MoE routers' correction biases stay float32). Every tier holds the runtime dtype; the store
     keeps a passthrough tensor's exact source values in its source dtype (docs/format.md §5), so those few small
-    tensors are read back from it."""
+    tensors are read back from it. `kept`: a rank's share (sharded.Plan.kept, mlx_lm name -> None for the whole
+    tensor or (axis, indices) for the part kept), whose parameters take only their part."""
     predicate = getattr(model, "cast_predicate", None)
     if predicate is None:
         return
-    names = mlx_names(store)
-    exact = [(names[name], to_mx(np.ascontiguousarray(store.load_part(name, entry.kind.suffixes[0])),
-                                 entry.stored_dtype))
-             for name, entry in store.entries.items()
-             if not entry.kind.quantized and entry.stored_dtype != store.runtime_dtype
-             and entry.stored_dtype in MX_DTYPES and not predicate(names[name])]
+    exact = []
+    for name, mlx_name in mlx_names(store).items():
+        entry = store.entries[name]
+        if (entry.kind.quantized or entry.stored_dtype == store.runtime_dtype or entry.stored_dtype not in MX_DTYPES
+                or predicate(mlx_name) or (kept is not None and mlx_name not in kept)):
+            continue
+        values = np.asarray(store.load_part(name, entry.kind.suffixes[0]))
+        if kept is not None and kept[mlx_name] is not None:
+            axis, index = kept[mlx_name]
+            values = values.take(index, axis=axis)
+        exact.append((mlx_name, to_mx(np.ascontiguousarray(values), entry.stored_dtype)))
     if exact:
         model.load_weights(exact, strict=False)
         if not lazy:
