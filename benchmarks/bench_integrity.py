@@ -14,13 +14,17 @@ and their ratio:
 - each warm tier: its load, with and without the header checks (the tier safetensors' header against the one
   written, each finalized .npy header against the manifest, the int4 tier's config.json);
 - warm load: the whole squishlike.load (model and tokenizer, from the first ready tier), with and without every
-  check above and the side files' (config, tokenizer files and facts, chat template) against the manifest's
-  records, which every load runs, warm or cold; and that side-file check alone.
+  check above, the side files' (config, tokenizer files and facts, chat template) against the manifest's
+  records, which every load runs, warm or cold, and the identity check of the served tier's files; and the
+  side-file check alone;
+- identity check alone, per tier: Tier.check_files on the tier as its build left it (one stat per file, nothing
+  hashed), and on a copy of the store (`cp -a`: new inodes), where its first load hashes each file once.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -34,20 +38,22 @@ import squishlike
 from squishlike.default_model import default_model_path
 from squishlike.io.checksum import FAST
 from squishlike.npydir import NpyDir
-from squishlike.tiers import BY_NAME, cold, finalized, mlx, quantized
+from squishlike.tiers import BY_NAME, base, cold, finalized, mlx, quantized
 
 
 @contextmanager
 def checks_off():
     """The same loads with every integrity check replaced by nothing."""
-    saved = (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical, NpyDir.check_side_files)
+    saved = (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical, NpyDir.check_side_files,
+             base.Tier.check_files)
     cold.check_files = mlx.check_layout = finalized.check_npy = NpyDir.check_side_files = lambda *a, **k: None
+    base.Tier.check_files = lambda *a, **k: None
     quantized._canonical = lambda value: ""
     try:
         yield
     finally:
         (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical,
-         NpyDir.check_side_files) = saved
+         NpyDir.check_side_files, base.Tier.check_files) = saved
 
 
 def timed(load) -> float:
@@ -108,6 +114,27 @@ def main() -> int:
         alone.append(time.perf_counter() - started)
     print(f"side-file check alone: {statistics.median(alone) * 1e3:.2f} ms for {len(store.manifest.side_files)} "
           f"files, {side / 1e6:.1f} MB")
+    copy = workdir / "copy"
+    for name in ("int4", "mlx", "finalized"):
+        tier = BY_NAME[name]
+        payload = tier.ready(store)[0]
+        bound = []
+        for _ in range(args.runs):
+            started = time.perf_counter()
+            tier.check_files(store, payload)
+            bound.append(time.perf_counter() - started)
+        moved = []
+        for _ in range(args.runs):
+            shutil.rmtree(copy, ignore_errors=True)
+            copied = NpyDir(shutil.copytree(out, copy))  # copy2: mtimes kept, new inodes
+            started = time.perf_counter()
+            tier.check_files(copied, tier.ready(copied)[0])
+            moved.append(time.perf_counter() - started)
+        nbytes = sum(record["size"] for record in payload["files"].values())
+        print(f"identity check alone, {name}: {statistics.median(bound) * 1e6:.0f} us for {len(payload['files'])} "
+              f"files; after cp -a, first load: {statistics.median(moved) * 1e3:.1f} ms ({nbytes / 1e6:.0f} MB "
+              "hashed once)")
+    shutil.rmtree(copy, ignore_errors=True)
     return 0
 
 

@@ -131,6 +131,8 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
         return "passthrough", "matches --passthrough"
     if kind is None:
         return "passthrough", "not a weight nn.quantize quantizes (norm, bias, convolution, ...)"
+    if kind == "matrix":  # model.MATRIX
+        return "passthrough", "embedding the tied head multiplies by as a matrix (the model's code), kept dense"
     if kind == "embedding" and not opts.quantize_embeddings:
         return "passthrough", "embedding / lm_head (kept exact by --no-quantize-embeddings)"
     if kind == "int8" and opts.format != "int8":

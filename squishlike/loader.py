@@ -77,9 +77,11 @@ def load(
         finally:
             release_memory()  # a reservation no load used (an error before load_weights)
         from .model import assemble
+        from .tiers.base import keep_uncast
 
         config = loaded.config
         model, tokenizer = assemble(config, loaded.weights, store.path, store.path, **options)
+        keep_uncast(model, store, lazy)  # what mlx_lm keeps in float32 in a bf16 model, from the store
         if order.device_kind() == "cpu":  # a store's quantized layers take mlx[cpu]'s fast matmuls (cpu_layers.py)
             from .cpu_layers import use_cpu_kernels
 

@@ -9,6 +9,7 @@ from whichever tier or format produced them instead of globbing `model*.safetens
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import re
@@ -81,17 +82,23 @@ def embedding_weights(model: nn.Module) -> set[str]:
             and (isinstance(module, nn.Embedding) or is_output_head(path, module))}
 
 
+MATRIX = "matrix"  # quantizable_weights' kind of an embedding the model's own code multiplies by as a matrix
+
+
 def quantizable_weights(model: nn.Module) -> dict[str, str]:
-    """The weights `nn.quantize` would quantize in `model`, by parameter name -> "embedding", "linear" or "int8".
+    """The weights `nn.quantize` would quantize in `model`, by parameter name -> "embedding", "linear", "int8" or
+    MATRIX.
 
     A weight qualifies when its module has `to_quantized` (nn.Linear, nn.Embedding, the expert stacks of
     SwitchLinear, ...) and the model's own `quant_predicate`, if it has one, does not refuse it (mlx_lm.convert
     asks the same). "int8": the predicate asks for 8 bits or more (MoE routers). "embedding": the input
     embeddings and the output head (`embedding_weights`), the tensors `compress` keeps exact when asked to
-    (--no-quantize-embeddings). Group-size fit is the caller's.
+    (--no-quantize-embeddings). MATRIX: an input embedding whose weight the model's tied head multiplies by itself
+    (`reads_embedding_matrix`), which must stay dense. Group-size fit is the caller's.
     """
     predicate = getattr(model, "quant_predicate", None)
     embeddings = embedding_weights(model)
+    matrix = reads_embedding_matrix(model)
     kinds = {}
     for path, module in model.named_modules():
         if not _quantizable(module):
@@ -99,13 +106,38 @@ def quantizable_weights(model: nn.Module) -> dict[str, str]:
         asked = True if predicate is None else predicate(path, module)
         if asked is False:
             continue
-        if f"{path}.weight" in embeddings:
+        if matrix and isinstance(module, nn.Embedding):
+            kinds[f"{path}.weight"] = MATRIX
+        elif f"{path}.weight" in embeddings:
             kinds[f"{path}.weight"] = "embedding"
         elif isinstance(asked, dict) and asked.get("bits", 0) >= 8:
             kinds[f"{path}.weight"] = "int8"
         else:
             kinds[f"{path}.weight"] = "linear"
     return kinds
+
+
+# A forward that multiplies by an embedding's weight itself: `h @ self.model.embed_tokens.weight.T`.
+_EMBEDDING_MATRIX = re.compile(r"@\s*[\w.]*embed\w*\.weight\b")
+
+
+def reads_embedding_matrix(model: nn.Module) -> bool:
+    """Whether `model` has no output head of its own (its head is tied) and its forward multiplies by its input
+    embedding's weight directly instead of through the embedding's `as_linear`: seed_oss (tied by default), and
+    minicpm and llama4's text model when tied. A quantized embedding's `weight` is its packed codes, so such a model
+    fails at its first forward with a quantized embedding (mlx_lm.convert -q's output too); its embedding stays
+    dense. mlx_lm says so nowhere but in the forward's code, which is read here."""
+    if any(path.rsplit(".", 1)[-1] == "lm_head" for path, _ in model.named_modules()):
+        return False
+    return any(_EMBEDDING_MATRIX.search(_forward_source(type(module))) for _, module in model.named_modules())
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.__call__)
+    except (OSError, TypeError):  # defined outside Python source (a C extension's class)
+        return ""
 
 
 def _quantizable(module: nn.Module) -> bool:

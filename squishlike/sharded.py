@@ -86,6 +86,7 @@ def sharded_load(
     import mlx.core as mx
 
     from .model import model_tokenizer
+    from .tiers.base import keep_uncast
     from .tiers.load import verify_wanted
 
     path = resolve(path_or_hf_repo)
@@ -122,6 +123,8 @@ def sharded_load(
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as e:
             raise FormatError(source, f"the {plan.key} share does not fit the model: {e}") from e
+        if is_npydir(path):  # what mlx_lm keeps in float32 in a bf16 model, from the store (tiers/base.py)
+            keep_uncast(model, store, kept=plan.kept)
         mx.eval(model.parameters())
         tokenizer = model_tokenizer(config, side_files, source, tokenizer_config, trust_remote_code)
     seconds = time.perf_counter() - started
@@ -254,8 +257,7 @@ def _store_weights(store: NpyDir, plan: Plan, verify: bool = False) -> tuple[dic
     tier = RankTier(plan.key, plan.fingerprint, shapes)
     if (payload := tier.ready(store)[0]) is not None:
         try:
-            if verify:
-                check_files((store.path / tier.sentinel).parent, payload["files"], every=True)
+            tier.check_files(store, payload, verify)  # a share file replaced since it was written is hashed
             return tier.load(store).weights, tier.name, tier.nbytes(store)
         except (FormatError, OSError, ValueError, RuntimeError) as e:
             warnings.warn(f"{store.path / tier.sentinel}: unreadable ({e}); reading the store and rebuilding it")

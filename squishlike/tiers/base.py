@@ -8,6 +8,7 @@ from that declaration, so a new tier cannot forget one of them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -19,11 +20,15 @@ import mlx.core as mx
 import numpy as np
 
 from ..arch import architecture_for
-from ..dtypes import NP_STORAGE
+from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx
 from ..errors import FormatError
+from ..io import checksum
 from ..io.checksum import verify_files
-from ..io.sentinel import read_sentinel
+from ..io.lock import DirectoryLock
+from ..io.sentinel import moved, read_sentinel, rebind
 from ..npydir import NpyDir
+
+log = logging.getLogger("squishlike")
 
 
 @dataclass
@@ -81,6 +86,45 @@ class Tier(ABC):
             if path.is_symlink():
                 return path
         return None
+
+    def check_files(self, store: NpyDir, payload: dict, verify: bool = False) -> None:
+        """Before a ready tier (`payload`: its sentinel, as ready() read it) is served: IntegrityError naming the
+        first of its files whose bytes are not the ones its sentinel records. Without `verify`, only the files
+        whose identity is not the one recorded (io/sentinel.py: replaced since, or the store copied) are hashed,
+        with the fast hash; the others cost a stat. With `verify`, every file and every hash. Files found intact
+        have their identity recorded again, when the tier's lock is free, so the next load only stats them."""
+        sentinel = store.path / self.sentinel
+        found = moved(sentinel, payload)
+        files = payload["files"] if verify else {rel: record for rel, (record, _) in found.items()}
+        if not files:
+            return
+        checksum.check_files(sentinel.parent, files, every=verify)
+        if found:
+            self._rebind(store, payload, found)
+
+    def _rebind(self, store: NpyDir, payload: dict, checked: dict) -> None:
+        """Record the identities of files just checked, under the tier's lock, never waiting for it: a writer holding
+        it (a build, a background build of this process) may be replacing the tier. Where it cannot be taken (a
+        read-only store), each load hashes those files again."""
+        try:
+            lock = self.lock(store)
+            if not lock.acquire(blocking=False):
+                return
+        except (OSError, FormatError) as e:
+            log.info("%s: cannot record tier %s's files as checked (%s); each load hashes them", store.path,
+                     self.name, e)
+            return
+        try:
+            if self.ready(store)[0] == payload:  # not rebuilt or removed since it was read
+                rebind(store.path / self.sentinel, payload, checked)
+        except OSError as e:
+            log.info("%s: cannot record tier %s's files as checked (%s)", store.path, self.name, e)
+        finally:
+            lock.release()
+
+    def lock(self, store: NpyDir) -> DirectoryLock:
+        """The lock every writer of this tier holds: the store's directory lock."""
+        return DirectoryLock(store.path)
 
     def check_own_directory(self, store: NpyDir) -> None:
         """FormatError naming a tier directory that is a symbolic link: nothing is written, emptied or unlinked
@@ -154,3 +198,30 @@ def mlx_names(store: NpyDir) -> dict[str, str]:
         return {name: name for name in store.entries}
     arch = architecture_for(store.manifest.model_type)
     return {name: arch.mlx_name(name) for name in store.entries}
+
+
+def keep_uncast(model, store: NpyDir, lazy: bool = False, kept: dict | None = None) -> None:
+    """Give `model` (built from any tier of `store`) the parameters its own `cast_predicate` keeps out of the model's
+    dtype in their stored dtype, as mlx_lm.load of the source gives them: mlx_lm.convert casts every float but those
+    (qwen3_5's A_log, MoE routers' correction biases stay float32). Every tier holds the runtime dtype; the store
+    keeps a passthrough tensor's exact source values in its source dtype (docs/format.md §5), so those few small
+    tensors are read back from it. `kept`: a rank's share (sharded.Plan.kept, mlx_lm name -> None for the whole
+    tensor or (axis, indices) for the part kept), whose parameters take only their part."""
+    predicate = getattr(model, "cast_predicate", None)
+    if predicate is None:
+        return
+    exact = []
+    for name, mlx_name in mlx_names(store).items():
+        entry = store.entries[name]
+        if (entry.kind.quantized or entry.stored_dtype == store.runtime_dtype or entry.stored_dtype not in MX_DTYPES
+                or predicate(mlx_name) or (kept is not None and mlx_name not in kept)):
+            continue
+        values = np.asarray(store.load_part(name, entry.kind.suffixes[0]))
+        if kept is not None and kept[mlx_name] is not None:
+            axis, index = kept[mlx_name]
+            values = values.take(index, axis=axis)
+        exact.append((mlx_name, to_mx(np.ascontiguousarray(values), entry.stored_dtype)))
+    if exact:
+        model.load_weights(exact, strict=False)
+        if not lazy:
+            mx.eval([array for _, array in exact])

@@ -34,6 +34,12 @@ class ColdTier(Tier):
     def invalidate(self, store: NpyDir) -> None:
         """Nothing: the store is never removed to rebuild it."""
 
+    def check_files(self, store: NpyDir, payload: dict, verify: bool = False) -> None:
+        """With `verify`, every hash of every store file; otherwise nothing here: the cold path hashes each file as
+        it loads it, and the manifest records no identities to bind (nor is it ever rewritten by a load)."""
+        if verify:
+            check_files(store.path, payload["files"], every=True)
+
     def load(self, store: NpyDir, lazy: bool = False, verify: bool = False) -> Loaded:
         """Always computed: `lazy` does not apply to dequantization. `verify`: see load_dense."""
         return self.load_dense(store, verify=verify)[0]

@@ -14,7 +14,6 @@ import warnings
 from .. import memory
 from ..environment import switch
 from ..errors import FormatError, TierNotReadyError
-from ..io.checksum import check_files
 from ..io.sentinel import ABSENT, sentinel_says_damaged
 from ..npydir import NpyDir
 from . import BY_NAME, COLD, ORDER, TIER_NAMES, TIERS, first_builds, target
@@ -70,8 +69,7 @@ def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = Fa
         _say_if_slower(store, chosen)
         if chosen is COLD:  # it checks the store's files as it loads them
             return COLD.load(store, verify=verify)
-        if verify:
-            _check_tier_files(store, chosen, payload)
+        chosen.check_files(store, payload, verify)
         return chosen.load(store, lazy=lazy)
     if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
         cold_and_build(store, [chosen], lazy, verify=verify)
@@ -100,11 +98,6 @@ def _not_ready(store: NpyDir, tier: Tier, why: str) -> str:
             f"{how}")
 
 
-def _check_tier_files(store: NpyDir, tier: Tier, payload: dict) -> None:
-    """IntegrityError naming the first file of a cache tier that differs from any hash its sentinel records."""
-    check_files((store.path / tier.sentinel).parent, payload["files"], every=True)
-
-
 def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None,
                  verify: bool = False) -> Loaded | None:
     """The first ready tier's weights. With `damaged`, stop at the first tier whose files are damaged (missing,
@@ -123,8 +116,7 @@ def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = 
                 return None
             continue
         try:
-            if verify:
-                _check_tier_files(store, tier, payload)
+            tier.check_files(store, payload, verify)  # a file replaced since its sentinel was written is hashed
             return tier.load(store, lazy=lazy)
         except (FormatError, OSError, ValueError, RuntimeError) as e:
             # A tier that passed its cheap checks but fails to load is corrupt: skip it; the cold path rebuilds it.

@@ -11,15 +11,18 @@ tiers are: its header checked first to be exactly the one written for the plan's
 mx.load alone would read a header whose offsets overlap or whose shapes lie.
 
 `inspect` and `verify` know no plan (it comes from a launch): they list every cached layout (`cached`) and judge
-each by its sentinel against the store as it is now, whatever split made it.
+each by its sentinel against the store as it is now, whatever split made it. `prune` removes every layout's share
+(`prune_shares`), each under its own lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..formats.safetensors import Tensor, write_safetensors
-from ..io.atomic import make_temp_dir, publish_dir, sweeping_temps
+from ..io.atomic import make_temp_dir, publish_dir, remove_stale_temps, sweeping_temps
 from ..io.lock import DirectoryLock
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
@@ -101,3 +104,28 @@ class RankTier(Tier):
             write_sentinel(tmp / ".ready", manifest_fingerprint=store.fingerprint, files={WEIGHTS: record},
                            tier=self.name, layout=self.key, plan=self.plan)
             publish_dir(tmp, final)
+
+
+def prune_shares(store: NpyDir) -> int:
+    """Remove every layout's share, ready, stale or half-built (`squishlike prune`): each under its layout's lock,
+    so a launch building it finishes first, with its temporaries and, last, its lock file (unlinked while held: a
+    launch waiting on it then locks the new file a later build creates, DirectoryLock.acquire). A linked shards/ is
+    removed itself, never emptied. Returns the bytes freed; a later launch reads its part of the store again."""
+    directory = store.path / DIRECTORY
+    if directory.is_symlink():
+        directory.unlink()
+        return 0
+    if not directory.is_dir():
+        return 0
+    keys = {p.name for p in directory.iterdir() if not p.name.startswith(".")}
+    keys |= {p.name[1:-len(".lock")] for p in directory.glob(".*.lock")}
+    freed = 0
+    for key in sorted(keys):
+        share = RankTier(key)
+        with DirectoryLock(directory, f".{key}.lock", leave_no_file=True):
+            remove_stale_temps(directory, key)
+            freed += share.disk_bytes(store)
+            share.remove(store)
+    with contextlib.suppress(OSError):  # a file or directory squishlike did not write stays, and so does shards/
+        directory.rmdir()
+    return freed

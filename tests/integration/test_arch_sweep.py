@@ -131,6 +131,50 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         assert mx.array_equal(dense(tokens), reference(tokens)).item(), f"{fmt}: the store's model is not mlx_lm's"
 
 
+# The dtype check's default-suite share: the sweep's, one type whose cast_predicate keeps a tensor in float32 of
+# each kind (qwen3_5's A_log, deepseek_v3's router correction bias), and gemma3n (its forward recasts two).
+DTYPE_DEFAULT = (*DEFAULT, "qwen3_5", "deepseek_v3", "gemma3n")
+
+
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=() if arch in DTYPE_DEFAULT else [pytest.mark.archsweep])
+                                  for arch in ARCH_CONFIGS])
+def test_every_parameter_has_mlx_lms_dtype(arch, tmp_path, tokenizer_dir):
+    """A bfloat16 source as mlx_lm.convert writes one (every float cast, except what the model's cast_predicate
+    keeps, such as qwen3_5's A_log in float32): the INT8 and INT4 stores' models hold each parameter in the dtype
+    mlx_lm.load gives it. (gemma3n's AltUp casts its coefficients to float32 in its forward, in either model: the
+    dtypes are compared before any forward.)"""
+    source = make_hf_model(tmp_path / "f32", ARCH_CONFIGS[arch], tokenizer_dir)
+    src = tmp_path / arch
+    mlx_lm.convert(str(source), mlx_path=str(src), dtype="bfloat16")
+    want = {name: value.dtype for name, value in flat_params(mlx_lm.load(str(src))[0]).items()}
+    for fmt in ("int8", "int4"):
+        out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, tiers=(), **ROUND_TO_NEAREST)
+        got = {name: value.dtype for name, value in flat_params(squishlike.load(out, tier="cold")[0]).items()}
+        assert got.keys() == want.keys()
+        assert {n: (want[n], got[n]) for n in want if got[n] != want[n]} == {}, fmt
+
+
+@pytest.mark.parametrize("arch, tie", [("seed_oss", None), ("llama4_text", True)])
+def test_a_head_that_multiplies_by_the_embedding_keeps_it_dense(arch, tie, tmp_path, tokenizer_dir):
+    """seed_oss (tied by its ModelArgs default when config.json leaves tie_word_embeddings out) and llama4's text
+    model, tied, compute their logits as `h @ embed_tokens.weight.T`: a quantized embedding's weight is its packed
+    codes, and the first forward failed ([matmul] ... shape (16,384)). The INT8 and INT4 stores keep that embedding
+    exact, and every tier's model runs, with the cold tier's weights."""
+    config = {k: v for k, v in ARCH_CONFIGS[arch].items() if k != "tie_word_embeddings"}
+    src = make_hf_model(tmp_path / arch, {**config, **({} if tie is None else {"tie_word_embeddings": tie})},
+                        tokenizer_dir)
+    assert not any(name.endswith("lm_head.weight") for name in flat_params(mlx_lm.load(str(src))[0]))
+    tokens = mx.array([TOKENS])
+    for fmt in ("int8", "int4"):
+        out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, **ROUND_TO_NEAREST)
+        assert NpyDir(out).entry("model.embed_tokens.weight").scheme == "passthrough"
+        dense, _ = squishlike.load(out, tier="cold")
+        served, _ = squishlike.load(out)  # on CPU as on a GPU: the quantized tier, read from the store
+        assert type(served.model.layers[0].self_attn.q_proj).__name__ != "Linear"
+        assert_same_weights(dense, served)
+        mx.eval(served(tokens), dense(tokens))
+
+
 @pytest.mark.parametrize("wrong", ["of the next layer", "transposed", "doubled"])
 def test_the_check_names_a_wrong_tensor(wrong, tmp_path, tokenizer_dir):
     """What a wrong rule does to a weight of the store's model fails the sweep's check, naming the weight."""

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -182,6 +183,27 @@ def test_sharded_store(tmp_path, tokenizer_dir, arch, config, mode, fmt, relaunc
     for rank, result in enumerate(second):
         assert result["load"]["tier"] == "rank"
         assert np.array_equal(result["ours"], first[rank]["ours"])
+
+
+def test_a_share_from_another_store_is_not_served_under_mlx_launch(tmp_path, tokenizer_dir):
+    """Two stores of one architecture, each with its rank shares built by a launch: the other store's share files
+    copied over this one's (same sizes, sentinels kept). The next launch of this store hashes them (their identity is
+    not the one its sentinels recorded), reads and caches its own shares again, and gives its own logits."""
+    stores, first = [], []
+    for name, seed in (("store", 0), ("other", 7)):
+        src = make_hf_model(tmp_path / f"{name}-src", TINY_CONFIGS["llama"], tokenizer_dir, seed=seed)
+        stores.append(squishlike.compress(src, tmp_path / name, scheme="int8", group_size=32, tiers=()))
+        first.append(launch(stores[-1], "tensor", tmp_path / f"{name}-first"))
+    store, other = stores
+    for rank in range(RANKS):
+        share = store / "shards" / f"tensor-{RANKS}-{rank}" / "weights.safetensors"
+        foreign = other / "shards" / f"tensor-{RANKS}-{rank}" / "weights.safetensors"
+        assert share.stat().st_size == foreign.stat().st_size and share.read_bytes() != foreign.read_bytes()
+        shutil.copyfile(foreign, share)
+    for rank, result in enumerate(launch(store, "tensor", tmp_path / "second")):
+        assert result["load"]["tier"] == "store", result["load"]
+        assert np.array_equal(result["ours"], first[0][rank]["ours"])
+        assert not np.array_equal(result["ours"], first[1][rank]["ours"])
 
 
 def test_inspect_and_verify_list_rank_shares(tiny_llama, tmp_path):

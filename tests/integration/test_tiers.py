@@ -103,6 +103,41 @@ def test_prune_leaves_no_file_of_any_tier(tiny_llama, tmp_path):
     assert built == {t.name for t in ORDER}  # a tier added to ORDER must be built and pruned here too
 
 
+def test_prune_removes_every_rank_share_under_its_lock(tiny_llama, tmp_path):
+    """Rank shares are caches too (docs/format.md §14): prune removes each layout's share, ready or stale, with its
+    temporaries and lock file, holding that layout's lock (a launch building it finishes first), unless `keep` names
+    "rank"; the store is untouched and the next launch reads and caches its share again."""
+    import shutil
+    import threading
+
+    from squishlike.io.lock import DirectoryLock
+    from squishlike.sharded import sharded_load
+
+    out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4", tiers=("int4",), **ROUND_TO_NEAREST)
+    reference, _ = sharded_load(out)
+    store_files = _files(out)
+    shards = out / "shards"
+    shutil.copytree(shards / "tensor-1-0", shards / "pipeline-2-1")  # another layout's share
+    (shards / ".tensor-2-0.tmp-1-2").mkdir()  # what a killed build of a third layout left
+    (shards / ".tensor-2-0.lock").touch()
+    share_bytes = sum(p.stat().st_size for key in ("tensor-1-0", "pipeline-2-1") for p in (shards / key).iterdir())
+
+    assert "rank" not in prune(NpyDir(out), keep=("rank",)) and (shards / "tensor-1-0" / ".ready").is_file()
+    freed = {}
+    with DirectoryLock(shards, ".pipeline-2-1.lock"):  # a launch building that share holds it: prune waits
+        pruning = threading.Thread(target=lambda: freed.update(prune(NpyDir(out), keep=("int4",))))
+        pruning.start()
+        pruning.join(timeout=2)
+        assert pruning.is_alive() and (shards / "pipeline-2-1" / ".ready").is_file()
+    pruning.join(timeout=60)
+    assert freed["rank"] == share_bytes > 0
+    assert not shards.exists()
+    assert _files(out) - {".squishlike.lock"} == {p for p in store_files if not p.startswith("shards/")}
+    again, _ = sharded_load(out)
+    assert_same_weights(reference, again)
+    assert (shards / "tensor-1-0" / ".ready").is_file()
+
+
 def _files(root) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 

@@ -14,6 +14,7 @@ where nothing succeeded, nothing on disk changed (compress and export write to a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -128,8 +129,9 @@ def test_a_damaged_store_never_becomes_a_cache(base, tmp_path):
 
 
 def test_verify_hashes_a_cache_tier_and_rebuilds_it(base, tmp_path, monkeypatch):
-    """A cache tier damaged in place (same size, so its sentinel still says ready) loads silently by default;
-    with verify=True, or SQUISHLIKE_VERIFY=1, its checksum is checked, and it is rebuilt from the store."""
+    """A cache tier damaged in place with its identity kept (a bit flipped on the disk: same size, same file, so its
+    sentinel still says ready) loads silently by default; with verify=True, or SQUISHLIKE_VERIFY=1, its checksum is
+    checked, and it is rebuilt from the store."""
     import shutil
 
     from support.crash_harness import load_in_process
@@ -144,9 +146,7 @@ def test_verify_hashes_a_cache_tier_and_rebuilds_it(base, tmp_path, monkeypatch)
         files = served.ready(store)[0]["files"]
         rel = max(files, key=lambda f: files[f]["size"])
         weights = (target / served.sentinel).parent / rel
-        raw = bytearray(weights.read_bytes())
-        raw[-3] ^= 0x40
-        weights.write_bytes(bytes(raw))
+        _rot(weights, target / served.sentinel)
         with pytest.warns(UserWarning, match=weights.name):
             if how == "argument":
                 model, _ = squishlike.load(target, verify=True)
@@ -222,6 +222,8 @@ LINKS = [
     ("load", "shards", True, None),  # a load never reads shares
     ("prune", "finalized", True, None),  # the link removed, not what it leads to
     ("prune", ".squishlike.lock", True, FormatError),
+    ("prune", "shards", True, None),  # a linked shards/ removed, never emptied
+    ("prune", "shards/tensor-1-0", True, None),
     ("verify", "finalized", True, None),
     ("verify", "shards/tensor-1-0", True, None),
     ("sharded_load", "shards", True, FormatError),
@@ -284,23 +286,17 @@ def test_an_unusable_path_is_a_typed_error(reference):
             entry(reference)
 
 
-def test_a_tier_copied_from_another_store_is_refused_and_rebuilt(base, tokenizer_dir, tmp_path):
+def test_a_tier_copied_from_another_store_is_refused_and_rebuilt(base, tmp_path):
     """Every tier and share records the manifest it was built from (its sentinel's manifest_fingerprint): tiers
     copied in from a store of the same architecture with other weights never serve it; the load rebuilds them
     from this store."""
-    from support.crash_harness import CRASH_CONFIG, load_in_process
-    from support.tiny_models import make_hf_model
+    from support.crash_harness import load_in_process
 
     from squishlike.npydir import NpyDir
     from squishlike.tiers import ORDER
 
-    other_hf = make_hf_model(tmp_path / "other-hf", CRASH_CONFIG, tokenizer_dir, seed=7)
-    other = squishlike.compress(other_hf, tmp_path / "other", scheme="int4", group_size=32,
-                                tiers=("int4", "mlx", "finalized"), quantize_embeddings=False, awq=False, gptq=False,
-                                clip_search=False)
-    squishlike.load(other)
     store = shutil.copytree(base.npydir, tmp_path / "model")
-    for item in Path(other).iterdir():  # every cache tier's files and sentinels, not the store's own
+    for item in Path(base.other).iterdir():  # every cache tier's files and sentinels, not the store's own
         if not (store / item.name).exists():
             (shutil.copytree if item.is_dir() else shutil.copy)(item, store / item.name)
     copied = [tier.name for tier in ORDER if (store / tier.sentinel).exists()]
@@ -321,17 +317,16 @@ def test_verify_names_a_hostile_side_file(case, base, outcomes):
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
 def test_sharded_load_verifies_a_share_when_asked(how, base, with_share, tmp_path, monkeypatch):
-    """A rank share damaged in place (its size kept) is served as it is by default, as a tier is; with
-    verify=True or SQUISHLIKE_VERIFY=1 its hash is checked, and it is rebuilt from the store."""
+    """A rank share damaged in place with its identity kept (a bit flipped on the disk) is served as it is by
+    default, as a tier is; with verify=True or SQUISHLIKE_VERIFY=1 its hash is checked, and it is rebuilt from the
+    store."""
     from support.crash_harness import weights_digest
 
     from squishlike.sharded import sharded_load
 
     store = shutil.copytree(with_share, tmp_path / "model")
     share = store / "shards" / "tensor-1-0" / "weights.safetensors"
-    raw = bytearray(share.read_bytes())
-    raw[-3] ^= 0x40
-    share.write_bytes(bytes(raw))
+    _rot(share, share.with_name(".ready"))
     assert weights_digest(sharded_load(store)[0]) != base.weights_digest  # unchecked: the damage is served
     with pytest.warns(UserWarning, match=re.escape(str(share))):
         if how == "argument":
@@ -341,6 +336,61 @@ def test_sharded_load_verifies_a_share_when_asked(how, base, with_share, tmp_pat
             model, _ = sharded_load(store)
     assert weights_digest(model) == base.weights_digest
     assert weights_digest(sharded_load(store)[0]) == base.weights_digest  # the rebuilt share
+
+
+def _rot(path: Path, sentinel: Path) -> None:
+    """A bit of `path`, a tier file, flipped as a failing disk flips one: its bytes change and nothing records it.
+    A write by a process changes the file's identity (its ctime at least), which a load would see; the sentinel is
+    made to record the identity the file has after the flip, as if the flip had happened under it."""
+    from squishlike.io.sentinel import IDENTITY, identity
+
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    payload = json.loads(sentinel.read_text())
+    for rel, record in payload["files"].items():
+        record[IDENTITY] = identity(os.lstat(sentinel.parent / rel))
+    sentinel.write_text(json.dumps(payload))
+
+
+def test_a_share_from_another_store_is_refused_and_rebuilt(base, with_share, tmp_path):
+    """Another store's share of the same layout copied into this store's shards/KEY/ (its sentinel kept, the sizes
+    equal): the files are not the ones the sentinel was written over, so the launch hashes them, warns naming the
+    file, and reads and caches its own share from the store."""
+    from support.crash_harness import weights_digest
+
+    from squishlike.sharded import sharded_load
+
+    other = shutil.copytree(base.other, tmp_path / "other", symlinks=True)
+    _sharded(other)
+    store = shutil.copytree(with_share, tmp_path / "model")
+    _sharded(store)  # binds the copy's share to its own files, as a launch in place would have
+    share = store / "shards" / "tensor-1-0" / "weights.safetensors"
+    foreign = other / "shards" / "tensor-1-0" / "weights.safetensors"
+    assert foreign.stat().st_size == share.stat().st_size and foreign.read_bytes() != share.read_bytes()
+    shutil.copyfile(foreign, share)
+    with pytest.warns(UserWarning, match=re.escape(f"{share}: xxh3 differs")):
+        model, _ = sharded_load(store)
+    assert weights_digest(model) == base.weights_digest
+    assert weights_digest(sharded_load(store)[0]) == base.weights_digest  # the rebuilt share
+
+
+def test_an_int8_tier_file_from_another_store_is_not_served_by_a_plain_load(base, tmp_path):
+    """Two group-wise INT8 stores of one architecture, each with its squish_8bit/ built by a load: one's weights
+    file copied over the other's (same size, sentinel kept). A plain load, which takes the 8-bit tier, hashes the
+    replaced file, warns naming it, and returns the store's own weights, rebuilt from the store."""
+    from support.crash_harness import load_in_process
+
+    a, b = (squishlike.compress(source, tmp_path / name, scheme="int8", group_size=32, tiers=("int8",))
+            for name, source in (("a", base.other), ("b", base.npydir)))
+    load_in_process(a)
+    served, own = load_in_process(b)
+    assert load_in_process(b) == ("int8", own)
+    weights = Path(b) / "squish_8bit" / "model.safetensors"
+    shutil.copyfile(Path(a) / "squish_8bit" / "model.safetensors", weights)
+    with pytest.warns(UserWarning, match=re.escape(f"{weights}: xxh3 differs")):
+        assert load_in_process(b)[1] == own
+    assert load_in_process(b) == ("int8", own)
 
 
 def test_compress_never_locks_through_a_link(base, tmp_path):

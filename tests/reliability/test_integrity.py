@@ -1,13 +1,17 @@
 """Integrity: `squishlike verify` checks every checksum and names what is wrong; load checks sizes and
 headers cheaply, and a tier found damaged at load is skipped with a warning and rebuilt from the store.
 
-Load deliberately does not re-hash tier data (that would cost as much as the load): a flipped bit inside a tier's
-data region is `verify`'s to find, and it does (test_verify_names_each_damaged_file).
+Load does not re-hash the files of a tier it trusts (that would cost as much as the load): a sentinel binds them by
+their identity (device, inode, size, mtime, ctime), which a load stats, and only a file whose identity changed (a
+file replaced or rewritten, the store copied) is hashed before it is served. Damage that leaves the identity
+alone (a bit flipped on the disk) is `verify`'s to find, and it does (test_verify_names_each_damaged_file).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -25,6 +29,7 @@ from support.crash_harness import (
 from squishlike.errors import FormatError, IntegrityError
 from squishlike.info import verify
 from squishlike.io.checksum import CHECKSUM, FAST, HASHES, file_checksum, file_record
+from squishlike.io.sentinel import IDENTITY, identity
 from squishlike.npydir import NpyDir
 from squishlike.npydir.manifest import part_file
 from squishlike.tiers import ORDER, ordered
@@ -229,15 +234,21 @@ def without_xxh3(lab, dest: Path) -> Path:
 
 def test_every_file_written_records_both_hashes(built):
     """Store files (hashed while written, or re-read for side files) and tier files (hashed while written) all
-    record SHA-256 and XXH3, and each is the hash of the file as it lies on disk."""
+    record SHA-256 and XXH3, and each is the hash of the file as it lies on disk; tier files also record the
+    identity of a file (io/sentinel.py; test_a_sentinel_binds_the_files_it_was_written_over)."""
     records = NpyDir(built).file_records()
+    bound = set()
     for tier in ORDER:
         sentinel = built / tier.sentinel
         if sentinel.exists():
             payload = json.loads(sentinel.read_text())
             records.update({str(sentinel.parent.relative_to(built) / rel): r for rel, r in payload["files"].items()})
+            bound |= {str(sentinel.parent.relative_to(built) / rel) for rel in payload["files"]}
     assert PART in records and "tokenizer.json" in records and "squish_weights.safetensors" in records
     for rel, record in records.items():
+        if rel in bound:  # this copy's files are new ones: the identity recorded is that of the store copied
+            bound_to = record.pop(IDENTITY)
+            assert len(bound_to) == 5 and all(isinstance(n, int) for n in bound_to), rel
         assert set(record) == {"size", *HASHES} and len(record[FAST]) == 32, rel
         assert record == file_record(built / rel), rel
 
@@ -282,3 +293,84 @@ def test_a_store_without_xxh3_loads_and_is_checked_with_sha256(lab, tmp_path):
     with pytest.raises(IntegrityError, match=f"{PART}: {CHECKSUM} differs"):
         load_in_process(damaged)
     assert not any(ready_tiers(damaged).values())
+
+
+# ---------------------------------------------------------------------------------------------- identities
+
+
+def bound(store: Path) -> dict[str, bool]:
+    """Each ready tier (and rank share): whether its sentinel records the identity of every file it names as the
+    file has it now (nothing for a load to hash)."""
+    from squishlike.io.sentinel import moved
+    from squishlike.tiers.rank import RankTier
+
+    found = {}
+    for tier in [*ORDER, *RankTier.cached(NpyDir(store))]:
+        payload, _ = tier.ready(NpyDir(store))
+        if payload is not None and tier.name != "cold":
+            found[tier.sentinel] = moved(store / tier.sentinel, payload) == {}
+    return found
+
+
+def test_a_sentinel_binds_the_files_it_was_written_over(lab, tmp_path):
+    """Every tier a first load writes (dense ones on its background thread), and a rank share, records the
+    identity its files have once published: the next load stats them and hashes nothing."""
+    from squishlike.sharded import sharded_load
+    from squishlike.tiers.background import wait_for_builds
+
+    store = shutil.copytree(lab.pristine, tmp_path / "model")
+    load_in_process(store)
+    wait_for_builds()
+    sharded_load(store)
+    found = bound(store)
+    assert set(found) == {".squish_4bit_ready", ".squish_ready", "finalized/.ready", "shards/tensor-1-0/.ready"}
+    assert all(found.values()), found
+
+
+@pytest.mark.parametrize("how", ["cp -a", "cp"])
+def test_a_copied_store_is_hashed_once_then_bound_to_its_new_files(lab, tmp_path, how):
+    """A store copied with its tiers (`cp -a` keeps mtimes but not inodes, `cp` keeps neither): its sentinels
+    name files with other identities. The first load hashes the files of the tier it serves, finds them intact,
+    serves them without a warning and records their new identities; the next load only stats them."""
+    copy = shutil.copy2 if how == "cp -a" else shutil.copy
+    store = shutil.copytree(lab.root / "reference", tmp_path / "model", copy_function=copy)
+    serving = serving_tier(store)
+    sentinel = next(t.sentinel for t in ORDER if t.name == serving)
+    assert not bound(store)[sentinel]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_in_process(store) == (serving, lab.weights)
+    assert bound(store)[sentinel]
+    assert verify(store) == []
+
+
+def test_a_copied_store_whose_lock_is_held_is_hashed_at_each_load(lab, tmp_path):
+    """Where the tier's lock cannot be had at once (a writer holds it; a read-only store), a load that hashed a
+    moved file serves it without waiting, and records nothing: the next load hashes it again."""
+    from squishlike.io.lock import DirectoryLock
+
+    store = shutil.copytree(lab.root / "reference", tmp_path / "model")
+    serving = serving_tier(store)
+    sentinel = store / next(t.sentinel for t in ORDER if t.name == serving)
+    before = sentinel.read_bytes()
+    with DirectoryLock(store):
+        for _ in range(2):
+            assert load_in_process(store) == (serving, lab.weights)
+            assert sentinel.read_bytes() == before
+    assert load_in_process(store) == (serving, lab.weights)
+    assert bound(store)[str(sentinel.relative_to(store))]
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_hashed(lab, built):
+    """The recorded identity holds the ctime, which no one can set back: a tier file rewritten in place (same
+    inode, same size) and given back its mtime still differs, so its hash is checked and the tier rebuilt."""
+    load_in_process(built)  # binds the copy's files
+    weights = built / "squish_4bit/model.safetensors"
+    assert serving_tier(built) == "int4" and bound(built)[".squish_4bit_ready"]
+    before = weights.stat()
+    flip(weights, -7)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_ino == before.st_ino and weights.stat().st_mtime_ns == before.st_mtime_ns
+    with pytest.warns(UserWarning, match=re.escape(f"{weights}: {FAST} differs")):
+        served, digest = load_in_process(built)
+    assert served == "cold" and digest == lab.weights

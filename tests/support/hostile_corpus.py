@@ -43,6 +43,7 @@ class Base:
     ollama_root: Path  # an Ollama store holding the model as tiny:latest
     ollama_manifest: Path
     weights_digest: str  # the clean load's weights (crash_harness.weights_digest)
+    other: Path  # another store of the same architecture and options (other weights), every tier built
 
 
 @dataclass
@@ -509,6 +510,25 @@ CASES += [
     _tier_case("tier-int4-words-relabelled-signed", INT4_TIER, _field(Q, "dtype", "I32"), "int4"),
     _tier_case("tier-int4-offsets-overlap", INT4_TIER, _field(
         "model.layers.0.self_attn.q_proj.scales", "data_offsets", [0, 128]), "int4"),
+    # --- a tier file swapped for the same file of another store (same size, a valid sentinel): only the file's
+    # identity, bound by the sentinel, tells; then its hash. Copied in place (same inode), or renamed in, or copied
+    # in place with its mtime set back.
+    Case("tier-int4-file-from-another-store", lambda b, d: _from_other(b, d, INT4_TIER, "int4"), IntegrityError,
+         names="{target}/" + INT4_TIER, action="sentinel:int4"),
+    Case("tier-int4-file-from-another-store-mtime-kept", lambda b, d: _from_other(b, d, INT4_TIER, "int4",
+                                                                                    keep_mtime=True),
+         IntegrityError, names="{target}/" + INT4_TIER, action="sentinel:int4"),
+    Case("tier-mlx-file-from-another-store-renamed-in", lambda b, d: _from_other(b, d, MLX_TIER, "mlx", rename=True),
+         IntegrityError, names="{target}/" + MLX_TIER, action="sentinel:mlx"),
+    Case("tier-finalized-file-from-another-store", lambda b, d: _from_other(b, d, FIN, "finalized"), IntegrityError,
+         names="{target}/" + FIN, action="sentinel:finalized"),
+    # --- a tier file that is a symbolic link: never read through, wherever it leads (a copy in the store, or out)
+    Case("tier-mlx-file-links-to-a-copy-in-the-store", lambda b, d: _tier_file_link(b, d, MLX_TIER, inside=True),
+         TierNotReadyError, names=f"{MLX_TIER}: is a symbolic link", action="sentinel:mlx"),
+    Case("tier-mlx-file-links-to-a-copy-outside", lambda b, d: _tier_file_link(b, d, MLX_TIER, inside=False),
+         TierNotReadyError, names=f"{MLX_TIER}: is a symbolic link", action="sentinel:mlx"),
+    Case("tier-int4-file-links-to-a-copy-in-the-store", lambda b, d: _tier_file_link(b, d, INT4_TIER, inside=True),
+         TierNotReadyError, names=f"{INT4_TIER}: is a symbolic link", action="sentinel:int4"),
     Case("tier-mlx-file-is-a-fifo", lambda b, d: _fifo(npy_copy(b, d, True), lambda t: t / MLX_TIER),
          TierNotReadyError, names=".squish_ready", action="sentinel:mlx"),
     Case("tier-int4-config-quantization-group-size-a-float", lambda b, d: _tier_json(
@@ -690,6 +710,44 @@ def _tier_edit(base: Base, d: Path, rel: str, edit) -> Path:
     assert len(text) <= length, "the edited header must fit in the original's length"
     raw[8:8 + length] = text.ljust(length).encode()
     path.write_bytes(bytes(raw))
+    return target
+
+
+def _loaded_copy(base: Base, d: Path, tier: str) -> Path:
+    """A copy of the built store, loaded once from `tier` (forced), as a store is after its first load: whatever a
+    load records about the tier's files on disk is recorded for this copy's own files."""
+    import squishlike
+
+    target = npy_copy(base, d, True)
+    squishlike.load(target, tier=tier)
+    return target
+
+
+def _from_other(base: Base, d: Path, rel: str, tier: str, rename: bool = False, keep_mtime: bool = False) -> Path:
+    """`rel`, a file of `tier`, replaced by the same file of base.other (same size, other weights), its sentinel
+    kept: copied over it in place (as `cp` does: same inode), or renamed over it; `keep_mtime` sets its
+    modification time back to the replaced file's."""
+    target = _loaded_copy(base, d, tier)
+    path, foreign = target / rel, base.other / rel
+    before = path.stat()
+    assert foreign.stat().st_size == before.st_size and foreign.read_bytes() != path.read_bytes()
+    if rename:
+        shutil.copyfile(foreign, path.with_name(".incoming"))
+        os.replace(path.with_name(".incoming"), path)
+    else:
+        shutil.copyfile(foreign, path)
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return target
+
+
+def _tier_file_link(base: Base, d: Path, rel: str, inside: bool) -> Path:
+    """`rel`, a file of a tier, replaced by a symbolic link to a copy of it, in the store or outside it."""
+    target = _loaded_copy(base, d, "int4" if rel == INT4_TIER else "mlx")
+    copy = (target / ".copy" if inside else _outside(d) / "copy") / Path(rel).name
+    copy.parent.mkdir(exist_ok=True)
+    shutil.move(str(target / rel), copy)
+    (target / rel).symlink_to(copy)
     return target
 
 
@@ -1128,21 +1186,28 @@ def fill(template: str, target: Path, d: Path, base: Base) -> str:
 
 def build_base(root: Path, tokenizer_dir: Path) -> Base:
     """The valid models the cases start from (a few seconds, once)."""
-    import squishlike
     from .crash_harness import CRASH_CONFIG, load_in_process
     from squishlike.exporter import export
     from .tiny_models import make_hf_model
 
     root.mkdir(parents=True, exist_ok=True)
     hf = make_hf_model(root / "hf", CRASH_CONFIG, tokenizer_dir)
-    # Embeddings exact (the cases edit a passthrough tensor's record) and no calibration: the cases need a store's
-    # structure, not its accuracy.
-    npydir = squishlike.compress(hf, root / "npydir", scheme="int4", group_size=32, tiers=("int4", "mlx", "finalized"),
-                                 quantize_embeddings=False, awq=False, gptq=False, clip_search=False)
+    npydir = _compress(hf, root / "npydir")
     built = shutil.copytree(npydir, root / "built")
     _, digest = load_in_process(built)
     manifest = export(hf, "ollama", root / "ollama", ollama_name="tiny:latest")
-    return Base(hf, npydir, built, root / "ollama", Path(manifest), digest)
+    other = _compress(make_hf_model(root / "other-hf", CRASH_CONFIG, tokenizer_dir, seed=7), root / "other")
+    load_in_process(other)
+    return Base(hf, npydir, built, root / "ollama", Path(manifest), digest, other)
+
+
+def _compress(hf: Path, out: Path) -> Path:
+    """The base's store of `hf`, no tier built yet. Embeddings exact (the cases edit a passthrough tensor's record)
+    and no calibration: the cases need a store's structure, not its accuracy."""
+    import squishlike
+
+    return Path(squishlike.compress(hf, out, scheme="int4", group_size=32, tiers=("int4", "mlx", "finalized"),
+                                    quantize_embeddings=False, awq=False, gptq=False, clip_search=False))
 
 
 def write_corpus(base: Base, dest: Path) -> list[Path]:
