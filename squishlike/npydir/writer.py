@@ -22,7 +22,7 @@ from ..io.npy import write_npy_stream
 from .manifest import MANIFEST, TENSORS, FileRecord, Manifest, Policy, Source, TensorEntry
 
 
-JOURNAL = ".journal.json"  # the tensors written so far, in a directory being written (`checkpoint`)
+JOURNAL = ".journal.jsonl"  # the tensors written so far, in a directory being written (`checkpoint`)
 
 
 class NpyDirWriter:
@@ -35,6 +35,7 @@ class NpyDirWriter:
         self.tensors: dict[str, TensorEntry] = {}  # canonical name -> entry, in the order they were added
         self.side_files: dict[str, FileRecord] = {}
         self.manifest: Manifest | None = None  # once written
+        self._journaled: set[str] = set()  # the tensors the journal records (checkpoint)
         (self.path / TENSORS).mkdir()
 
     def add_tensor(self, name: str, entry: TensorEntry, parts: dict[str, np.ndarray] | None, values: np.ndarray,
@@ -56,23 +57,32 @@ class NpyDirWriter:
         return entry
 
     def checkpoint(self) -> None:
-        """Record the tensors added so far in the directory's journal: a run killed after this point and reopened
-        (`reopen`) keeps them. The journal's one atomic write is the commit point."""
-        write_json(self.path / JOURNAL, {"tensors": {n: e.to_json() for n, e in self.tensors.items()}})
+        """Record the tensors added since the last checkpoint in the directory's journal: a run killed after this
+        point and reopened (`reopen`) keeps them. One line appended per checkpoint; a line cut short by a kill is no
+        checkpoint. Not synced, as the parts are not: the directory is synced once, when it is published."""
+        new = {n: e.to_json() for n, e in self.tensors.items() if n not in self._journaled}
+        with open(self.path / JOURNAL, "ab") as f:
+            f.write(json.dumps(new, separators=(",", ":")).encode() + b"\n")
+        self._journaled.update(new)
 
     @classmethod
     def reopen(cls, path: str | Path, runtime_dtype: str) -> NpyDirWriter:
         """A writer over the directory a killed run left: the tensors of its last checkpoint, the files written
-        after it deleted. FormatError when the journal cannot be read (the caller starts over)."""
+        after it deleted. FormatError when there is no journal (the caller starts over)."""
         path = Path(path)
+        tensors: dict[str, TensorEntry] = {}
         try:
-            raw = json.loads((path / JOURNAL).read_text())
-            tensors = {n: TensorEntry.from_json(n, e) for n, e in raw["tensors"].items()}
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise FormatError(path / JOURNAL, f"cannot resume from it: {e}") from None
+            lines = (path / JOURNAL).read_bytes().split(b"\n")
+        except OSError as e:
+            raise FormatError(path / JOURNAL, f"cannot resume from it: {e.strerror}") from None
+        for line in lines[:-1]:  # the last piece has no newline: empty, or a line the kill cut short
+            try:
+                tensors.update({n: TensorEntry.from_json(n, e) for n, e in json.loads(line).items()})
+            except (ValueError, TypeError, AttributeError) as e:
+                raise FormatError(path / JOURNAL, f"cannot resume from it: {e}") from None
         writer = cls.__new__(cls)
         writer.path, writer.runtime_dtype, writer.tensors = path, runtime_dtype, tensors
-        writer.side_files, writer.manifest = {}, None
+        writer.side_files, writer.manifest, writer._journaled = {}, None, set(tensors)
         kept = {e.part_file(suffix) for e in tensors.values() for suffix in e.kind.suffixes}
         for f in (path / TENSORS).iterdir():
             if f"{TENSORS}/{f.name}" not in kept:
