@@ -26,7 +26,7 @@ from . import quant
 from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
 from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
-from .errors import AccuracyGateError, FormatError, OutputExistsError, QuantizationError
+from .errors import AccuracyGateError, OutputExistsError, QuantizationError
 from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir
 from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
@@ -169,7 +169,7 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
             tmp = resume.partial_dir(out, {"source": source_fingerprint(Path(provider.reader.path)),
                                            "options": asdict(opts)})
             try:
-                writer, plan = _write_store(provider, tmp, opts)
+                writer, plan = _write_store(provider, tmp, out, opts)
                 if opts.format == "int3":
                     _gate_int3(provider, writer, out, opts, plan)
                 resume.clear(tmp)
@@ -265,15 +265,15 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
-    """Quantize every tensor of the source into the npy-dir at `tmp`, one block after another (calibrating each
+def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions):
+    """Quantize every tensor of the source into the npy-dir at `tmp` (compress's directory for `out`), one block after another (calibrating each
     first when the options ask for it), going on from the last finished block of a killed run into `tmp`; returns
     its writer, the manifest written, and the calibration plan (None without calibration)."""
     from .model import new_model, parameter_shapes  # imports mlx_lm
 
     runtime = opts.dtype or runtime_dtype(provider)
     infos = provider.reader.tensors()
-    writer = _reopen(tmp, runtime)
+    writer = resume.open_writer(tmp, runtime, out)
     side_files = provider.write_side_files(tmp)  # first: what a load would refuse in them costs no tensor work
     tokenizer_files = _tokenizer_files(tmp)
     model = new_model(provider.dense_config(), provider.reader.path)
@@ -281,7 +281,7 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
     kinds = weight_kinds(provider, model)  # the model decides what is quantized
     calibrator = _calibrator(provider, opts, tmp)
     plan = calibrator.plan if calibrator is not None else None
-    units = calibrator.units() if calibrator is not None else block_units(provider.names())
+    units = calibrator.units() if calibrator is not None else resume.block_units(provider.names())
     start = 0
     if writer.tensors and (found := resume.latest(tmp, [names for _, names in units], set(writer.tensors))):
         start, state, arrays = found
@@ -291,7 +291,7 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
     elif writer.tensors:  # nothing to go on from: start over
         tokenizer_files.result()
         shutil.rmtree(tmp)
-        writer = _reopen(tmp, runtime)
+        writer = resume.open_writer(tmp, runtime, out)
         side_files = provider.write_side_files(tmp)
         tokenizer_files = _tokenizer_files(tmp)
     done_bytes = sum(infos[provider.source_name(n)].nbytes for n in writer.tensors if provider.source_name(n) in infos)
@@ -323,32 +323,6 @@ def _write_store(provider: WeightProvider, tmp: Path, opts: CompressOptions):
         opts.extra_manifest = {**calibrator.manifest(), **opts.extra_manifest}
     _finish_store(provider, writer, opts, side_files, tokenizer_files)
     return writer, plan
-
-
-def _reopen(tmp: Path, runtime: str) -> NpyDirWriter:
-    """The writer over `tmp`: a new one, or the one a killed run left there (with its checkpoint's tensors)."""
-    if tmp.is_dir():
-        try:
-            return NpyDirWriter.reopen(tmp, runtime)
-        except FormatError:
-            shutil.rmtree(tmp)
-    tmp.mkdir()
-    fault_point(f"mkdtemp:{tmp.name.split('.partial-')[0].lstrip('.')}")
-    return NpyDirWriter(tmp, runtime)
-
-
-def block_units(names: list[str]) -> list[tuple[str, list[str]]]:
-    """`names` (in model order) cut where the block they belong to changes ("layers.3." ...): the units a compress
-    without calibration writes, and resumes, by."""
-    from .model import BLOCK
-
-    units: list[tuple[str, list[str]]] = []
-    for name in names:
-        block = m.group(0).rstrip(".") if (m := BLOCK.match(name)) else "outside the layers"
-        if not units or units[-1][0] != block:
-            units.append((block, []))
-        units[-1][1].append(name)
-    return units
 
 
 def _calibrator(provider: WeightProvider, opts: CompressOptions, side_files: Path):

@@ -20,7 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from .errors import FormatError
 from .io.atomic import write_json
+from .io.fault import fault_point
+from .npydir import NpyDirWriter
 
 PREFIX = ".resume-"
 
@@ -74,3 +77,30 @@ def clear(directory: Path) -> None:
     """Remove every saved state (the store is complete)."""
     for p in directory.glob(f"{PREFIX}*"):
         p.unlink(missing_ok=True)
+
+
+def open_writer(tmp: Path, runtime: str, out: Path) -> NpyDirWriter:
+    """The writer over `tmp`, compress's directory for `out`: a new one, or the one a killed run left there (with
+    its checkpoint's tensors)."""
+    if tmp.is_dir():
+        try:
+            return NpyDirWriter.reopen(tmp, runtime)
+        except FormatError:
+            shutil.rmtree(tmp)
+    tmp.mkdir()
+    fault_point(f"mkdtemp:{out.name}")
+    return NpyDirWriter(tmp, runtime)
+
+
+def block_units(names: list[str]) -> list[tuple[str, list[str]]]:
+    """`names` (in model order) cut where the block they belong to changes ("layers.3." ...): the units a compress
+    without calibration writes, and resumes, by."""
+    from .model import BLOCK  # imports mlx_lm
+
+    units: list[tuple[str, list[str]]] = []
+    for name in names:
+        block = m.group(0).rstrip(".") if (m := BLOCK.match(name)) else "outside the layers"
+        if not units or units[-1][0] != block:
+            units.append((block, []))
+        units[-1][1].append(name)
+    return units
