@@ -34,6 +34,12 @@ def find_openblas() -> str | None:
     return None
 
 
+def mlx_lapack_is_fast() -> bool:
+    """Whether MLX's CPU linear algebra runs on a fast BLAS/LAPACK in this process: Accelerate on macOS, an
+    OpenBLAS preloaded on Linux. The Linux wheels (CPU and CUDA alike) link a reference one."""
+    return sys.platform == "darwin" or "openblas" in os.environ.get("LD_PRELOAD", "")
+
+
 def reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
     """Restart this process with OpenBLAS preloaded, when that helps and has not been done yet.
 

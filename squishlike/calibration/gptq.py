@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quant
+from ..openblas import mlx_lapack_is_fast
 from ..quant.reference import storage_dtype, to_float32
 from .products import subtract_product
 from .quantizer import Quantizer
@@ -58,10 +59,19 @@ def inverse_hessian_factor(x: np.ndarray, span: int = HESSIAN_SPAN) -> list[Fact
         dead = mx.diag(h) == 0
         h = h + mx.diag(dead.astype(mx.float32))  # a dead input's column: unconstrained, and H stays invertible
         h = h + DAMPING * mx.mean(mx.diag(h)) * mx.eye(h.shape[0])
-        lower = mx.linalg.cholesky(h[::-1, ::-1], stream=mx.cpu)
-        u = mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)[::-1, ::-1]
-        spans.append(FactorSpan(start, np.array(u), np.array(dead)))
+        spans.append(FactorSpan(start, _upper_inverse_factor(h), np.array(dead)))
     return spans
+
+
+def _upper_inverse_factor(h: mx.array) -> np.ndarray:
+    """J L^-1 J for the lower Cholesky factor L of J h J, on the CPU. MLX's LAPACK where it is fast (an OpenBLAS
+    preloaded, Accelerate); else NumPy's bundled OpenBLAS: the Linux CUDA wheel's CPU LAPACK is a reference one,
+    which on one H100's host took ~20 s a factor of a 1.5B's layer, most of that compress."""
+    if mlx_lapack_is_fast():
+        lower = mx.linalg.cholesky(h[::-1, ::-1], stream=mx.cpu)
+        return np.array(mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)[::-1, ::-1])
+    lower = np.linalg.cholesky(np.array(h)[::-1, ::-1])
+    return np.ascontiguousarray(np.tril(np.linalg.inv(lower))[::-1, ::-1])
 
 
 def gptq(w: np.ndarray, dtype: str, qz: Quantizer, factor: list[FactorSpan]) -> tuple[np.ndarray, ...]:

@@ -100,3 +100,18 @@ def test_rows_go_a_block_at_a_time_with_the_same_result(smollm_layer, monkeypatc
     monkeypatch.setattr(gptq_module, "ROW_BLOCK", 1 << 20)
     for got, want in zip(bf16, gptq(stored, "bfloat16", QZ, factor)):
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("fast_mlx_lapack", [True, False])
+def test_both_factorisations_give_the_inverse_hessians_factor(smollm_layer, monkeypatch, fast_mlx_lapack):
+    """MLX's CPU LAPACK where a fast one is loaded, NumPy's where MLX has only its reference one (the Linux CUDA
+    wheel without a preloaded OpenBLAS): the same factor to float32 rounding."""
+    from squishlike.calibration import gptq as gptq_module
+
+    _, x = smollm_layer
+    monkeypatch.setattr(gptq_module, "mlx_lapack_is_fast", lambda: fast_mlx_lapack)
+    [span] = inverse_hessian_factor(x)
+    h = x.T.astype(np.float64) @ x
+    h += DAMPING * np.mean(np.diag(h)) * np.eye(len(h))
+    assert np.array_equal(span.u, np.triu(span.u)) and (np.diag(span.u) > 0).all()
+    np.testing.assert_allclose(span.u.T.astype(np.float64) @ span.u @ h, np.eye(len(h)), atol=2e-3)
