@@ -34,6 +34,10 @@ SINGLE_FILE = "model.safetensors"
 
 SIDE_FILE_PATTERNS = ("*.tiktoken",)
 
+# squishlike's own safetensors files (the cache tiers, the store's packs) start every tensor on a 16 KiB boundary
+# (Apple silicon's page size): Metal can then wrap a mapping of the file as the arrays' memory, without a copy.
+PAGE_ALIGN = 16 << 10
+
 # safetensors dtype -> the MLX dtype that holds it exactly. Types MLX has no exact home for (F64, F8_*, F4, F6_*)
 # are refused: mx.load would hand F8 back as raw uint8 and nobody downstream would know.
 DTYPES: dict[str, mx.Dtype] = {
@@ -92,6 +96,15 @@ def layout(tensors: list[Tensor], align: int = 8) -> dict[str, dict]:
     return header
 
 
+def header_bytes(header: dict[str, dict], metadata: dict[str, str] | None = None, align: int = 8) -> bytes:
+    """What a file of `header` (a `layout`) starts with: the 8-byte length, then the JSON header, padded with spaces
+    so the data starts on a multiple of `align` (the format allows trailing spaces). Its length is where the data
+    starts, so the absolute offset of every tensor follows from the tensors alone."""
+    blob = json.dumps({"__metadata__": metadata, **header} if metadata else header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % align)
+    return len(blob).to_bytes(8, "little") + blob
+
+
 def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None,
                   align: int = 8) -> None:
     """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields), then each tensor's
@@ -99,11 +112,8 @@ def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, st
     `align` in the file. Above 8 (squishlike's caches: 16 KiB, so Metal can wrap a mapping of the file without a
     copy) the zero gaps between tensors are more than the safetensors library accepts ("invalid offset"); mx.load,
     and with it mlx_lm.load, reads them."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    header.update(layout(tensors, align))
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % align)  # the data starts aligned (the format allows trailing spaces)
-    w.write(len(blob).to_bytes(8, "little") + blob)
+    header = layout(tensors, align)
+    w.write(header_bytes(header, metadata, align))
     written = 0
     for name, dtype, shape, data in tensors:
         buffer = data() if callable(data) else data
@@ -145,7 +155,7 @@ def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None, al
     expected = layout(tensors, align)
     if header != expected:
         name = next((n for n in expected if header.get(n) != expected[n]), None) or next(iter(header.keys() - expected))
-        raise FormatError(path, f"header entry {name!r} is {header.get(name)}, the tier wrote {expected.get(name)}")
+        raise FormatError(path, f"header entry {name!r} is {header.get(name)}, squishlike wrote {expected.get(name)}")
     data = max((e["data_offsets"][1] for e in expected.values()), default=0)
     if size != 8 + length + data:
         raise FormatError(path, f"is {size} bytes; its header describes {8 + length + data}")

@@ -72,7 +72,7 @@ def test_verify_a_clean_model(lab, built, tmp_path):
     assert verify(built) == []
     assert ready_tiers(built) == {"int4": True, "int8": False, "int3": False, "mlx": True, "finalized": True}
     rc, text = cli(lab, tmp_path, "verify", built)
-    assert rc == 0 and text.strip().startswith(f"{built}: OK (npydir: checked the checksum of every file"), text
+    assert rc == 0 and text.strip().startswith(f"{built}: OK (npydir format 2: checked the checksum of every file"), text
 
 
 # (what is damaged, how, the file the report must name, words the report must contain)
