@@ -156,7 +156,7 @@ def test_inspect_and_verify(tiny_llama, tmp_path):
     assert cli("verify", out).stdout.strip() == f"{out}: OK (npydir format 2: checked the checksum of every file of the " \
                                                 "store and of each ready tier and rank share)"
 
-    victim = next((out / "tensors").glob("*__q4.npy"))
+    victim = next((out / "tensors").glob("pack-*.safetensors"))
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))

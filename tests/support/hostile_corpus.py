@@ -1130,6 +1130,7 @@ def build_base(root: Path, tokenizer_dir: Path) -> Base:
     """The valid models the cases start from (a few seconds, once)."""
     import squishlike
     from .crash_harness import CRASH_CONFIG, load_in_process
+    from .format1 import as_format_1
     from squishlike.exporter import export
     from .tiny_models import make_hf_model
 
@@ -1139,6 +1140,7 @@ def build_base(root: Path, tokenizer_dir: Path) -> Base:
     # structure, not its accuracy.
     npydir = squishlike.compress(hf, root / "npydir", scheme="int4", group_size=32, tiers=("int4", "mlx", "finalized"),
                                  quantize_embeddings=False, awq=False, gptq=False, clip_search=False)
+    as_format_1(npydir)  # the cases edit a part's own .npy: format 1's layout (the format-2 packs: test_npydir)
     built = shutil.copytree(npydir, root / "built")
     _, digest = load_in_process(built)
     manifest = export(hf, "ollama", root / "ollama", ollama_name="tiny:latest")
