@@ -79,10 +79,9 @@ class QuantizedTier(Tier):
         return {name for name, entry in store.entries.items() if entry.scheme != self.scheme}
 
     def nbytes(self, store: NpyDir) -> int:
+        """The built tier's file (read from the store instead, the plan counts the store's parts: Plan.nbytes)."""
         with contextlib.suppress(OSError):
             return (store.path / self.directory / WEIGHTS).stat().st_size
-        if self.serves_from_store(store):  # about what from_store reads: the store's parts
-            return sum(record.size for record in store.part_files().values())
         return 0
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
