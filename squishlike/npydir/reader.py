@@ -30,6 +30,7 @@ from ..io.files import open_regular, read_bytes, read_json, regular_file
 from ..io.npy import read_npy_header
 from ..quant.schemes import rows_cols
 from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
+from .packs import alignment
 
 TOKENIZER_FACTS = "squishlike_tokenizer.json"  # the tokenizer's facts (squishlike/tokenizer.py), a side file
 UNRECORDED = f"not written by squishlike: {MANIFEST} records no such file"  # a side file the manifest lacks
@@ -215,7 +216,7 @@ class NpyDir:
         checked = self._checked_packs.get(rel)
         if checked is not None:
             return checked
-        from ..formats.safetensors import PAGE_ALIGN, Tensor, check_layout  # noqa: PLC0415 - formats/ imports npydir
+        from ..formats.safetensors import Tensor, check_layout  # noqa: PLC0415 - formats/ imports npydir
 
         if rel not in self._pack_parts:
             raise FormatError(self.path / MANIFEST, f"records no pack {rel!r}")
@@ -225,7 +226,7 @@ class NpyDir:
             entry = self.entries[name]
             dtype, shape = entry.part_spec(suffix)
             tensors.append(Tensor(entry.part_name(suffix), dtype.name, tuple(shape), None))
-        check_layout(path, tensors, self.path, PAGE_ALIGN)
+        check_layout(path, tensors, self.path, alignment())
         self._checked_packs[rel] = path
         return path
 

@@ -26,13 +26,13 @@ import numpy as np
 
 from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from ..errors import FormatError, JournalError
-from ..formats.safetensors import PAGE_ALIGN, Tensor, write_safetensors
+from ..formats.safetensors import Tensor, write_safetensors
 from ..io.atomic import fsync_dir, write_json
 from ..io.checksum import file_record
 from ..io.files import open_regular, read_json_object
 from .manifest import (FORMAT_VERSION, MANIFEST, TENSORS, FileRecord, Manifest, PartRecord, Policy, Source,
                        TensorEntry, check_packs, pack_layout)
-from .packs import block_of, pack_name
+from .packs import alignment, block_of, file_order, pack_name
 
 JOURNAL = ".journal.json"  # an unfinished writer's checkpoint (hidden: no reader looks for it)
 JOURNAL_VERSION = 1
@@ -93,11 +93,12 @@ class NpyDirWriter:
         if not self._pending:
             return
         rel = pack_name(len(self.packs))
+        pending = [self._pending[i] for i in file_order([data.nbytes for _, _, data in self._pending])]
         tensors = [Tensor(self.tensors[name].part_name(suffix), data.dtype.name, data.shape, data)
-                   for name, suffix, data in self._pending]
-        record = write_safetensors(self.path / rel, tensors, atomic=False, align=PAGE_ALIGN)
-        offsets, _ = pack_layout(self.tensors, [(name, suffix) for name, suffix, _ in self._pending])
-        for (name, suffix, data), tensor in zip(self._pending, tensors):
+                   for name, suffix, data in pending]
+        record = write_safetensors(self.path / rel, tensors, atomic=False, align=alignment())
+        offsets, _ = pack_layout(self.tensors, [(name, suffix) for name, suffix, _ in pending])
+        for (name, suffix, data), tensor in zip(pending, tensors):
             self.tensors[name].files[suffix] = PartRecord(rel, offsets[tensor.name], data.nbytes)
         self.packs[rel] = FileRecord.from_json(record)
         self._unsynced.append(self.path / rel)

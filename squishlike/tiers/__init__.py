@@ -90,8 +90,8 @@ class Plan:
     def nbytes(self, store: NpyDir) -> int:
         """About the bytes of memory the load fills (to reserve them ahead): the store's parts where the tier is
         read from them, the dense model on the cold path; 0 for a tier not ready."""
-        if self.source == STORE:
-            return sum(record.size for record in store.part_files().values())
+        if self.source == STORE:  # the parts' own bytes (format 2's packs also hold the gaps between them)
+            return sum(record.size for entry in store.entries.values() for record in entry.files.values())
         if self.source == COLD_PATH:
             return runtime_bytes(store)
         return self.tier.nbytes(store) if self.source == BUILT else 0

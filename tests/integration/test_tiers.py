@@ -302,5 +302,5 @@ def test_memory_reserved_ahead_is_what_the_store_read_fills(tiny_llama, tmp_path
     asked = []
     monkeypatch.setattr(memory, "reserve", lambda nbytes: asked.append(nbytes) or False)
     prepare_memory(store)
-    parts = sum(record.size for record in store.part_files().values())
+    parts = sum(record.size for entry in store.entries.values() for record in entry.files.values())
     assert asked == [parts] and parts < runtime_bytes(store) / 2
