@@ -1,6 +1,6 @@
 """Format 2's part files, the packs (docs/format.md §3): the parts of one block of tensors (one transformer layer;
 the embeddings; the output norm and head) in one safetensors file, each part of 64 KiB or more on a 16 KiB
-boundary (Metal can map those: nearly all the bytes), the smaller ones on 64-byte boundaries, in the gaps the big
+boundary (Metal can map those: 87 % of SmolLM2's bytes), the smaller ones on 64-byte boundaries, in the gaps the big
 ones' alignment leaves. Padding every part to a page made SmolLM2's store 7 % bigger (its 692 parts average 110
 KiB, its scales and norms a few KiB), more than mlx_lm's 4-bit conversion, which the store must not exceed.
 
