@@ -7,8 +7,7 @@ Why mlx_lm is imported inside `load`, not here: importing it (and with it transf
 single-threaded Python, and the other big cost of a warm load is faulting in the fresh memory the weights land in.
 So `load` of an npy-dir starts that fault-in (and a read-ahead of evicted tier files) on a background thread
 (tiers.prepare_memory: threads that only call madvise and fadvise) and imports meanwhile; then it reads the
-weights into the faulted memory while a second thread builds the tokenizer, then builds the model (docs/design.md
-§3).
+weights into the faulted memory, builds the model, then the tokenizer (docs/design.md §3).
 Everything that touches MLX or imports mlx_lm stays on this thread: importing mlx_lm creates an MLX stream
 (mlx_lm.generate's), and MLX streams belong to the thread that made them.
 """
@@ -17,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .npydir import NpyDir, is_npydir
 from .hub import resolve
-from .tiers.load import load_weights, verify_wanted
+from .tiers.load import load_weights
 from .tiers import decide, order
 from .tiers.prepare import prepare_memory, release_memory
 
@@ -69,27 +67,20 @@ def load(
         store = NpyDir(path)
         plan = decide(store, tier)  # the tier question, asked once: memory, the load and its log read the answer
         prepare_memory(store, lazy=lazy, plan=plan)  # fault in the weights' memory on a background thread
-        with ThreadPoolExecutor(1, thread_name_prefix="squishlike-tokenizer") as pool:
-            try:
-                import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
+        try:
+            import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
 
-                from .model import assemble, model_tokenizer
+            started = time.perf_counter()
+            loaded = load_weights(store, tier, lazy, verify, plan=plan)
+            seconds = time.perf_counter() - started
+            log.debug("%s: weights from the %s tier in %.3f s", store.path, loaded.tier, seconds,
+                      extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds}})
+        finally:
+            release_memory()  # a reservation no load used (an error before load_weights)
+        from .model import assemble
 
-                verify = verify_wanted(verify)
-                store.check_side_files(verify)  # before anything reads them (load_weights is told it ran)
-                # The tokenizer (JSON and Python: a quarter of a warm load) builds on a thread while this one reads
-                # the weights, which MLX does without the GIL; with the eos ids the model's config will hold.
-                tokenizer = pool.submit(model_tokenizer, {**store.config(), **(model_config or {})}, store.path,
-                                        store.path, tokenizer_config, trust_remote_code)
-                started = time.perf_counter()
-                loaded = load_weights(store, tier, lazy, verify, plan=plan, side_files_checked=True)
-                seconds = time.perf_counter() - started
-                log.debug("%s: weights from the %s tier in %.3f s", store.path, loaded.tier, seconds,
-                          extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds}})
-            finally:
-                release_memory()  # a reservation no load used (an error before load_weights)
-            model, tokenizer = assemble(loaded.config, loaded.weights, store.path, store.path,
-                                        tokenizer=tokenizer.result, **options)
+        config = loaded.config
+        model, tokenizer = assemble(config, loaded.weights, store.path, store.path, **options)
         if order.device_kind() == "cpu":  # a store's quantized layers take mlx[cpu]'s fast matmuls (cpu_layers.py)
             from .cpu_layers import use_cpu_kernels
 

@@ -13,7 +13,6 @@ import importlib.util
 import inspect
 import re
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -220,12 +219,10 @@ def assemble(
     lazy: bool = False,
     trust_remote_code: bool = False,
     sanitized: bool = False,
-    tokenizer: Callable[[], TokenizerWrapper] | None = None,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """(model, tokenizer) as mlx_lm.load builds them: the model first (model_config may set the eos ids the
     tokenizer then takes from config). `source`: the model the user named (errors name it, and a trusted
-    `model_file` is looked up beside it). `sanitized`: as for build_model. `tokenizer`: returns the tokenizer
-    a caller built already (model_tokenizer of the same config), once the model is built."""
+    `model_file` is looked up beside it). `sanitized`: as for build_model."""
     if model_config:
         config.update(model_config)
     model_dir = Path(source) if Path(source).is_dir() else side_files
@@ -237,8 +234,6 @@ def assemble(
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:
         # mlx_lm's own complaint (a weight of the wrong shape, a config it cannot build), with the model's name
         raise FormatError(source, f"config and weights do not make a {config.get('model_type')} model: {e}") from e
-    if tokenizer is not None:
-        return model, tokenizer()
     return model, model_tokenizer(config, side_files, source, tokenizer_config, trust_remote_code)
 
 

@@ -31,7 +31,7 @@ def verify_wanted(verify: bool | None = None) -> bool:
 
 
 def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, verify: bool | None = None,
-                 plan: Plan | None = None, side_files_checked: bool = False) -> Loaded:
+                 plan: Plan | None = None) -> Loaded:
     """Weights for the model, as `plan` says (default: decide(store, tier), the decision tree): the forced `tier` or
     the first ready one in this device's order; when none is ready, the cold path (which builds the tier the order
     will use).
@@ -40,12 +40,10 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
     computes them. The cold path always checks the store's files against the manifest's fast hash; `verify`
     (see verify_wanted) makes it check every recorded hash, SHA-256 too, and also checks a cache tier's files
     against every hash its sentinel records before they are loaded (a damaged tier is then rebuilt). The side
-    files (config, tokenizer, chat template) are checked on every load, warm or cold (`side_files_checked`: the
-    caller did, before reading them itself)."""
+    files (config, tokenizer, chat template) are checked on every load, warm or cold."""
     verify = verify_wanted(verify)
     try:
-        if not side_files_checked:  # the tiers record the weights only: what else a load reads, checked here
-            store.check_side_files(verify)
+        store.check_side_files(verify)  # the tiers record the weights only: what else a load reads, checked here
         return _run(store, plan if plan is not None else decide(store, tier), lazy, verify)
     finally:
         memory.release()  # a prepare_memory() reservation this load did not use
