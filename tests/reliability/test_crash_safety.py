@@ -75,7 +75,9 @@ def first_of_each_kind(labels: list[str]) -> list[int]:
 
 def test_compress_killed_at_every_boundary(lab):
     labels = lab.boundaries("compress")
-    assert len(labels) >= 40 and {"lock", "mkdtemp", "write", "before-publish", "published"} <= kinds(labels)
+    # side files and manifest (three boundaries each), one write per pack (three for the lab's one-layer model)
+    assert len(labels) >= 25 and {"lock", "mkdtemp", "write", "before-publish", "published"} <= kinds(labels)
+    assert any(label.startswith("write:pack-") for label in labels), labels
     assert kinds(labels) <= BOUNDARY_KINDS, labels
     records = []
     for n, label in enumerate(labels, 1):
