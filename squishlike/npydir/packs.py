@@ -21,9 +21,10 @@ import numpy as np
 
 TENSORS = "tensors"
 _PACK = re.compile(r"pack-[0-9]{5}\.safetensors")
-# The block a tensor belongs to: its layer index under any naming (canonical `layers.3.`, mlx_lm's
-# `model.layers.3.`, `backbone.layers.3.`); tensors outside the layers share a pack with their neighbours.
-_BLOCK = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
+# The block a tensor belongs to, as the model's own list of blocks names it: the path up to the first index and
+# the index (canonical `layers.3.`, mlx_lm's `model.layers.3.`, GPT-2's `transformer.h.3.`); the same rule as
+# model.py's check of a config's layer count. Tensors outside every list share a pack with their neighbours.
+_BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 def pack_name(index: int) -> str:
@@ -43,9 +44,9 @@ def part_name(key: str, suffix: str) -> str:
 
 
 def block_of(name: str) -> str | None:
-    """The layer index of a tensor name, as the block that decides its pack; None outside the layers."""
-    match = _BLOCK.search(name)
-    return match.group(1) if match else None
+    """The block of a tensor name (`model.layers.3.`), which decides its pack; None outside every block."""
+    match = _BLOCK.match(name)
+    return match.group(0) if match else None
 
 
 BIG_PART = 64 << 10  # a part this big starts on a page
