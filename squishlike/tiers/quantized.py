@@ -225,7 +225,7 @@ def _read_parts(store: NpyDir, parts: dict[str, _StoredPart], lazy: bool) -> dic
     wanted: dict[str, dict[str, str]] = {}  # pack path -> {part name in the pack: mlx_lm name}
     for key, part in parts.items():
         wanted.setdefault(str(part.path), {})[store.entry(part.name).part_name(part.suffix)] = key
-    sizes = {path: (Path(path)).stat().st_size for path in wanted}
+    sizes = {path: Path(path).stat().st_size for path in wanted}  # a pack per stream, balanced by bytes
 
     def open_pack(path: str, stream: mx.Stream) -> dict[str, mx.array]:
         arrays = mx.load(path, stream=stream)
