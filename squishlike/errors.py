@@ -26,6 +26,11 @@ class IntegrityError(FormatError):
     """A checksum or digest does not match what the manifest, sentinel or Ollama manifest says."""
 
 
+class JournalError(FormatError):
+    """An interrupted writer's journal cannot be resumed from (missing, unreadable, or not what the directory
+    holds): compress starts over."""
+
+
 class UnknownFormatError(FormatError):
     """Nothing on disk looks like a model format squishlike reads."""
 

@@ -33,6 +33,7 @@ def inspect_model(path: str | Path) -> dict:
         status = tier_status(store)
         report["store"] = {
             "scheme": store.manifest.scheme,
+            "format_version": store.version,
             "runtime_dtype": store.runtime_dtype,
             "bytes": sum(r.size for r in store.part_files().values()),
             "policy": store.manifest.policy.to_json(),
@@ -75,5 +76,6 @@ def verify_report(path: str | Path) -> dict:
     with reader:
         problems = reader.verify()
         if isinstance(reader, NpyDirReader):
+            report["format_version"] = reader.store.version
             problems += [p for tier in [*ORDER, *RankTier.cached(reader.store)] for p in tier.verify(reader.store)]
         return {**report, "problems": problems}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .npydir import NpyDir, is_npydir
 from .hub import resolve
 from .tiers.load import load_weights
-from .tiers import order
+from .tiers import decide, order
 from .tiers.prepare import prepare_memory, release_memory
 
 if TYPE_CHECKING:
@@ -65,12 +65,13 @@ def load(
                "trust_remote_code": trust_remote_code}
     if is_npydir(path):
         store = NpyDir(path)
-        prepare_memory(store, tier, lazy)  # fault in the weights' memory on a background thread
+        plan = decide(store, tier)  # the tier question, asked once: memory, the load and its log read the answer
+        prepare_memory(store, lazy=lazy, plan=plan)  # fault in the weights' memory on a background thread
         try:
             import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
 
             started = time.perf_counter()
-            loaded = load_weights(store, tier, lazy, verify)
+            loaded = load_weights(store, tier, lazy, verify, plan=plan)
             seconds = time.perf_counter() - started
             log.debug("%s: weights from the %s tier in %.3f s", store.path, loaded.tier, seconds,
                       extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds}})

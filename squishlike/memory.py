@@ -344,12 +344,23 @@ def load_each_parallel(open_one: Callable[[str, mx.Stream], mx.array], sizes: Ma
     """Many files, one array each (`open_one(name, stream)`, e.g. `mx.load(path, stream=stream)`): each opened
     once, on the stream assign_streams gives it by `sizes` (name -> bytes, in read order), and evaluated there,
     spread over the CPU streams, inside a huge-page arena. `lazy=True` only opens them."""
-    if lazy:
-        return {name: open_one(name, mx.default_stream(mx.cpu)) for name in sizes}
-    streams, chosen = cpu_streams(), assign_streams(sizes)
-    arrays = {name: open_one(name, streams[chosen[name]]) for name in sizes}
-    with huge_page_arena(sum(sizes.values())):
-        mx.eval(list(arrays.values()))
+    return load_files_parallel(lambda name, stream: {name: open_one(name, stream)}, sizes, lazy)
+
+
+def load_files_parallel(open_file: Callable[[str, mx.Stream], dict[str, mx.array]], sizes: Mapping[str, int],
+                        lazy: bool = False) -> dict[str, mx.array]:
+    """Many files, several arrays each (`open_file(file, stream)`: the lazily loaded arrays wanted from it, by
+    name, e.g. from `mx.load(path, stream=stream)`): each file opened once, on the stream assign_streams gives it
+    by `sizes` (file -> bytes, in read order), its arrays evaluated there, spread over the CPU streams, inside a
+    huge-page arena. Returns the arrays of every file. `lazy=True` only opens them."""
+    streams = (mx.default_stream(mx.cpu),) if lazy else cpu_streams()
+    chosen = dict.fromkeys(sizes, 0) if lazy else assign_streams(sizes)
+    arrays: dict[str, mx.array] = {}
+    for file in sizes:
+        arrays.update(open_file(file, streams[chosen[file]]))
+    if not lazy:
+        with huge_page_arena(sum(a.nbytes for a in arrays.values())):
+            mx.eval(list(arrays.values()))
     return arrays
 
 

@@ -157,6 +157,17 @@ def targets(f: dict, largest: int = 0) -> list[dict]:
             if largest:
                 add(f"{fig['label']}: peak RSS <= largest tensor x4 + 512 MB", fig["rss_above_baseline"] / GB,
                     (largest * 4 + 512e6) / GB, fig["rss_above_baseline"] <= largest * 4 + 512e6, "GB")
+    # The load alone against mlx_lm.load of its 4-bit conversion (issue 34): the default INT4 store, read from
+    # itself with nothing built, in process and as a whole process, in the same rounds.
+    for key, base, how in (("inproc-int4", "inproc-mlx_lm-4bit", "in process"),
+                           ("first-int4", "first-mlx_lm-4bit", "whole process")):
+        if key in f and base in f:
+            r = f[base]["wall_s"]["median"] / f[key]["wall_s"]["median"]
+            add(f"load, {how}, default INT4 store >= 1.3x faster than mlx_lm.load of the 4-bit conversion", r, 1.3,
+                r >= 1.3)
+            ours, theirs = (max(run["rss_peak"] for run in f[k]["runs"]) for k in (key, base))
+            add(f"load, {how}, default INT4 store: peak RSS no higher than mlx_lm 4-bit's", ours / theirs, 1,
+                ours <= theirs)
     for key in ("first-int8", "first-int4"):
         if key in f and "mlx_lm" in f:
             r = f[key]["wall_s"]["median"] / f["mlx_lm"]["wall_s"]["median"]

@@ -158,6 +158,13 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
         configs.append(Config(key, label, "first", _first_load(store), files=tier_files(store, "cold"),
                               weight_bytes=src_bytes, prime=src_bytes + slack, baseline="mlx_lm",
                               before=lambda s=store: reset_fresh(s)))
+    # The whole-process figure a fresh INT4 store is held to, in the same rounds: mlx_lm.load of the 4-bit
+    # conversion (the store's own "first" load is its every load on a device that builds nothing).
+    four_bit = converted["mlx_lm-4bit"]
+    configs.append(Config("first-mlx_lm-4bit", "whole process: mlx_lm.load (4-bit conversion, g64)", "first",
+                          load("mlx_lm", four_bit), files=source_files(four_bit),
+                          weight_bytes=in_memory["mlx_lm-4bit"], prime=in_memory["mlx_lm-4bit"] + slack,
+                          baseline="first-mlx_lm-4bit"))
     if cold:
         for key, label, loader, path, tier, files in loads:
             if key == "cold-tier-int8" or (quick and key not in ("mlx_lm", "mlx")):

@@ -79,7 +79,7 @@ def tier_files(store: Path, tier: str) -> list[Path]:
         return sorted((store / f"squish_{tier[-1]}bit").glob("*.safetensors")) or tier_files(store, "cold")
     if tier == "finalized":
         return sorted((store / "finalized").glob("*.npy"))
-    return sorted((store / "tensors").glob("*.npy"))
+    return sorted(p for p in (store / "tensors").iterdir() if p.is_file())  # the packs (format 1: each part's .npy)
 
 
 def all_files(directory: Path) -> list[Path]:

@@ -48,7 +48,7 @@ def summary(report: dict) -> list[str]:
     if "store" not in report:
         return lines
     store = report["store"]
-    lines[1] += f": {store['scheme'].upper()} store, runtime {store['runtime_dtype']}"
+    lines[1] += f" format {store['format_version']}: {store['scheme'].upper()} store, runtime {store['runtime_dtype']}"
     for i, (name, tier) in enumerate(report["tiers"].items()):
         size = megabytes(tier["bytes"]) if tier["bytes"] else ""
         policy = "in policy" if tier["wanted"] else ""

@@ -27,5 +27,6 @@ def run(args: argparse.Namespace) -> int:
         for line in problems:
             print(line)
         verdict = "OK" if not problems else f"{len(problems)} problem(s)"
-        print(f"{report['path']}: {verdict} ({report['format']}: {report['checked']})")
+        version = f" format {report['format_version']}" if "format_version" in report else ""
+        print(f"{report['path']}: {verdict} ({report['format']}{version}: {report['checked']})")
     return 1 if problems else 0

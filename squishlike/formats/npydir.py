@@ -37,7 +37,7 @@ class NpyDirReader(FormatReader):
 
     def _check_tensor(self, name: str) -> None:
         entry = self.store.entry(name)
-        self._check({entry.part_file(suffix): record.to_json() for suffix, record in entry.files.items()})
+        self._check({rel: record.to_json() for rel, record in self.store.manifest.files_of(entry).items()})
 
     @classmethod
     def detect(cls, path: Path) -> bool:

@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 import mlx.core as mx
 from safetensors import SafetensorError, safe_open
@@ -33,6 +33,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 SIDE_FILE_PATTERNS = ("*.tiktoken",)
+
+# squishlike's own safetensors files (the cache tiers, the store's packs) start every tensor on a 16 KiB boundary
+# (Apple silicon's page size): Metal can then wrap a mapping of the file as the arrays' memory, without a copy.
+PAGE_ALIGN = 16 << 10
 
 # safetensors dtype -> the MLX dtype that holds it exactly. Types MLX has no exact home for (F64, F8_*, F4, F6_*)
 # are refused: mx.load would hand F8 back as raw uint8 and nobody downstream would know.
@@ -78,32 +82,64 @@ def tensor_of(name: str, array: mx.array) -> Tensor:
     return Tensor(name, dtype_name(array.dtype), tuple(array.shape), array)
 
 
-def layout(tensors: list[Tensor], align: int = 8) -> dict[str, dict]:
+class PartAlignment(NamedTuple):
+    """Where each tensor of a file starts by its size: one of at least `threshold` bytes on a multiple of `page`,
+    a smaller one on a multiple of `small`; the data as a whole starts on a multiple of `page`. For the store's
+    packs (npydir/packs.py): the big tensors, nearly all the bytes, can be mapped by Metal, while the small ones
+    fill the gaps the big ones' alignment leaves instead of padding each to a page."""
+
+    page: int
+    small: int
+    threshold: int
+
+    def of(self, nbytes: int) -> int:
+        return self.page if nbytes >= self.threshold else self.small
+
+
+Align = Union[int, PartAlignment]  # one alignment for every tensor, or by size
+
+
+def _align_of(align: Align, nbytes: int) -> int:
+    return align if isinstance(align, int) else align.of(nbytes)
+
+
+def _start_align(align: Align) -> int:
+    return align if isinstance(align, int) else align.page
+
+
+def layout(tensors: list[Tensor], align: Align = 8) -> dict[str, dict]:
     """The header entries `write_tensors` writes for `tensors`: each tensor's data after the previous one's, at the
-    next multiple of `align` (8: packed, as the safetensors format asks; more leaves gaps, see `write_tensors`)."""
+    next multiple of `align` (8: packed, as the safetensors format asks; more leaves gaps, see `write_tensors`;
+    a PartAlignment: by the tensor's size)."""
     header, offset = {}, 0
     for name, dtype, shape, _ in tensors:
         if dtype not in _ST_NAMES:
             raise ValueError(f"{name}: safetensors cannot hold dtype {dtype}")
         nbytes = math.prod(shape) * DTYPES[_ST_NAMES[dtype]].size
-        offset += -offset % align
+        offset += -offset % _align_of(align, nbytes)
         header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     return header
 
 
+def header_bytes(header: dict[str, dict], metadata: dict[str, str] | None = None, align: Align = 8) -> bytes:
+    """What a file of `header` (a `layout`) starts with: the 8-byte length, then the JSON header, padded with spaces
+    so the data starts on a multiple of `align` (the format allows trailing spaces). Its length is where the data
+    starts, so the absolute offset of every tensor follows from the tensors alone."""
+    blob = json.dumps({"__metadata__": metadata, **header} if metadata else header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % _start_align(align))
+    return len(blob).to_bytes(8, "little") + blob
+
+
 def write_tensors(w: StreamWriter, tensors: list[Tensor], metadata: dict[str, str] | None = None,
-                  align: int = 8) -> None:
+                  align: Align = 8) -> None:
     """Write `tensors` in safetensors format to `w`: the header (mx.save_safetensors' fields), then each tensor's
     bytes, streamed from its buffer without an intermediate copy of the model, each starting on a multiple of
     `align` in the file. Above 8 (squishlike's caches: 16 KiB, so Metal can wrap a mapping of the file without a
     copy) the zero gaps between tensors are more than the safetensors library accepts ("invalid offset"); mx.load,
     and with it mlx_lm.load, reads them."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    header.update(layout(tensors, align))
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % align)  # the data starts aligned (the format allows trailing spaces)
-    w.write(len(blob).to_bytes(8, "little") + blob)
+    header = layout(tensors, align)
+    w.write(header_bytes(header, metadata, align))
     written = 0
     for name, dtype, shape, data in tensors:
         buffer = data() if callable(data) else data
@@ -125,7 +161,7 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> dict:
     return dict(pairs)
 
 
-def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None, align: int = 8) -> None:
+def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None, align: Align = 8) -> None:
     """The cheap structural check of a file squishlike wrote: its header must be exactly `layout(tensors, align)` (names,
     dtypes, shapes, offsets, in that order: a swapped name or a relabelled dtype is refused) and the file exactly
     as long as that data. Reads the header only. FormatError naming `path` otherwise."""
@@ -145,16 +181,16 @@ def check_layout(path: Path, tensors: list[Tensor], root: Path | None = None, al
     expected = layout(tensors, align)
     if header != expected:
         name = next((n for n in expected if header.get(n) != expected[n]), None) or next(iter(header.keys() - expected))
-        raise FormatError(path, f"header entry {name!r} is {header.get(name)}, the tier wrote {expected.get(name)}")
+        raise FormatError(path, f"header entry {name!r} is {header.get(name)}, squishlike wrote {expected.get(name)}")
     data = max((e["data_offsets"][1] for e in expected.values()), default=0)
     if size != 8 + length + data:
         raise FormatError(path, f"is {size} bytes; its header describes {8 + length + data}")
-    if (8 + length) % align:
-        raise FormatError(path, f"its data starts at byte {8 + length}, not on a multiple of {align}")
+    if (8 + length) % _start_align(align):
+        raise FormatError(path, f"its data starts at byte {8 + length}, not on a multiple of {_start_align(align)}")
 
 
 def write_safetensors(final: Path, tensors: list[Tensor], metadata: dict[str, str] | None = None,
-                      atomic: bool = True, align: int = 8) -> dict:
+                      atomic: bool = True, align: Align = 8) -> dict:
     """Write one safetensors file and return its file record (size, checksum). Atomic (temp name, fsync, rename)
     unless `atomic=False`: straight to `final`, for a file inside a temp directory published as a whole. `align`:
     see write_tensors."""

@@ -1,7 +1,7 @@
 """The npy-dir manifest (`manifest.json`) as typed objects, with strict validation.
 
-`Manifest.from_json` accepts exactly what `to_json` writes (format_version 1) and refuses anything else with a
-FormatError naming the manifest file, before a reader allocates or opens anything the manifest names. A hostile
+`Manifest.from_json` accepts exactly what `to_json` writes (format_version 2: the parts in packs, packs.py) and what
+format 1 wrote (one .npy per part), and refuses anything else with a FormatError naming the manifest file, before a reader allocates or opens anything the manifest names. A hostile
 manifest therefore cannot name a file outside the directory (keys are checked to decode to their tensor name),
 ask for a part no file could hold, or mix a scheme with another scheme's parts.
 """
@@ -22,11 +22,12 @@ from ..dtypes import NP_STORAGE
 from ..errors import FormatError
 from ..io.checksum import CHECKSUM, HASHES
 from ..quant.schemes import SCHEMES, Scheme, rows_cols
+from .packs import TENSORS, is_pack_name, layout, nbytes, part_name
 
 FORMAT = "squishlike-npy-dir"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the writer writes: the parts in packs (packs.py)
+READABLE_VERSIONS = (1, 2)  # 1: one .npy per part; every version ever written stays readable
 MANIFEST = "manifest.json"
-TENSORS = "tensors"
 
 _KEY = re.compile(r"[A-Za-z0-9_.%-]+")
 
@@ -44,8 +45,8 @@ def decode_key(key: str) -> str:
 
 
 def part_file(key: str, suffix: str) -> str:
-    """Where a tensor's part lives, relative to the npy-dir."""
-    return f"{TENSORS}/{key}__{suffix}.npy"
+    """Where a tensor's part lives in a format-1 store, relative to the npy-dir."""
+    return f"{TENSORS}/{part_name(key, suffix)}.npy"
 
 
 # -- field checks: each returns the value or raises TypeError/ValueError saying what is wrong
@@ -118,6 +119,16 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class PartRecord(_Flat):
+    """Where one part lies in a format-2 store: its pack (relative to the npy-dir), the absolute offset of its data
+    in that file, and its exact size. The pack's own record (size, hashes) is the manifest's `packs` entry."""
+
+    pack: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
 class ErrorStats(_Flat):
     """The quantization error measured at compress time on evenly sampled rows."""
 
@@ -136,7 +147,8 @@ class TensorEntry:
     dtype: str  # the source's dtype name (a GGUF/MLX quantization type for quantized sources)
     scheme: str
     reason: str  # why this scheme was chosen
-    files: dict[str, FileRecord] = field(default_factory=dict)  # part suffix -> record
+    files: dict[str, FileRecord | PartRecord] = field(default_factory=dict)  # part suffix -> record (format 1:
+    # the part's own file; format 2: where it lies in its pack)
     group_size: int | None = None  # INT4/INT3 only
     scale_dtype: str | None = None  # INT4/INT3 only
     stored_dtype: str | None = None  # passthrough only
@@ -147,7 +159,13 @@ class TensorEntry:
         return SCHEMES[self.scheme]
 
     def part_file(self, suffix: str) -> str:
-        return part_file(self.key, suffix)
+        """The file holding a part: its own .npy (format 1), or its pack (format 2)."""
+        record = self.files.get(suffix)
+        return record.pack if isinstance(record, PartRecord) else part_file(self.key, suffix)
+
+    def part_name(self, suffix: str) -> str:
+        """A part's tensor name in its pack."""
+        return part_name(self.key, suffix)
 
     def part_spec(self, suffix: str) -> tuple[np.dtype, tuple[int, ...]]:
         """(dtype, shape) of one part: what its file must hold."""
@@ -156,8 +174,9 @@ class TensorEntry:
                                    scale_dtype=self.scale_dtype, stored_dtype=self.stored_dtype)
 
     @classmethod
-    def from_json(cls, name: str, raw: Any) -> TensorEntry:
+    def from_json(cls, name: str, raw: Any, version: int = FORMAT_VERSION) -> TensorEntry:
         raw = _typed(raw, dict, "entry")
+        record = PartRecord if version >= 2 else FileRecord
         shape = raw["shape"]
         if not isinstance(shape, list):
             raise TypeError(f"shape {shape!r} is not a list")
@@ -174,7 +193,7 @@ class TensorEntry:
             dtype=_typed(raw["dtype"], str, "dtype"),
             scheme=scheme,
             reason=_typed(raw["reason"], str, "reason"),
-            files={suffix: FileRecord.from_json(r) for suffix, r in _typed(raw["files"], dict, "files").items()},
+            files={suffix: record.from_json(r) for suffix, r in _typed(raw["files"], dict, "files").items()},
             group_size=_size(raw["group_size"], "group_size") if kind.grouped else None,
             scale_dtype=_dtype(raw["scale_dtype"], "scale_dtype") if kind.grouped else None,
             stored_dtype=_dtype(raw["stored_dtype"], "stored_dtype") if not kind.quantized else None,
@@ -196,6 +215,9 @@ class TensorEntry:
             dtype, part_shape = self.part_spec(suffix)
             if record.size < math.prod(part_shape) * dtype.itemsize:
                 raise ValueError(f"part {suffix}: {record.size} bytes cannot hold {dtype}{part_shape}")
+            if isinstance(record, PartRecord) and record.size != nbytes(dtype, part_shape):  # no header: exact
+                raise ValueError(f"part {suffix}: {record.size} bytes, but {dtype}{part_shape} is "
+                                 f"{nbytes(dtype, part_shape)}")
 
     def to_json(self) -> dict:
         return _drop_none({
@@ -205,12 +227,16 @@ class TensorEntry:
             "dtype": self.dtype,
             "scheme": self.scheme,
             "reason": self.reason,
-            "files": {suffix: r.to_json() for suffix, r in self.files.items()},
+            "files": {suffix: r.to_json() for suffix, r in sorted(self.files.items(), key=self._part_order)},
             "group_size": self.group_size,
             "scale_dtype": self.scale_dtype,
             "stored_dtype": self.stored_dtype,
             "error": self.error.to_json() if self.error else None,
         })
+
+    def _part_order(self, item: tuple[str, Any]) -> int:
+        """The scheme's order of parts: the order they lie in a pack."""
+        return self.kind.suffixes.index(item[0]) if item[0] in self.kind.suffixes else len(self.kind.suffixes)
 
 
 @dataclass(frozen=True)
@@ -263,17 +289,27 @@ class Manifest:
     int3_gate: dict[str, Any] | None = None  # the INT3 accuracy gate's verdict ("passed", figures, reason)
     extra: dict[str, Any] = field(default_factory=dict)  # calibration records (awq, mixed_precision, ...), as written
     naming: str = "canonical"  # one of NAMINGS; absent in a manifest: "canonical"
+    format_version: int = FORMAT_VERSION  # as read; a store written now is FORMAT_VERSION
+    packs: dict[str, FileRecord] = field(default_factory=dict)  # format 2: each pack file -> its record
 
     _FIELDS = ("format", "format_version", "model_type", "naming", "runtime_dtype", "scheme", "group_size",
-               "clip_search", "source", "policy", "tensors", "side_files", "int3_gate")
+               "clip_search", "source", "policy", "tensors", "side_files", "int3_gate", "packs")
 
     @classmethod
     def from_json(cls, raw: Any, path: Path) -> Manifest:
         """The manifest in `raw` (parsed JSON); FormatError naming `path` when it is not a valid one."""
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise FormatError(path, f"not a {FORMAT} manifest")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise FormatError(path, f"unsupported format_version {raw.get('format_version')!r}")
+        version = raw.get("format_version")
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise FormatError(path, f"unsupported format_version {version!r}; this squishlike reads "
+                                    f"{', '.join(map(str, READABLE_VERSIONS))}")
+        packs = raw.get("packs", {}) if version >= 2 else {}
+        if not isinstance(packs, dict):
+            raise FormatError(path, "packs is not a table of pack files")
+        for rel in packs:
+            if not is_pack_name(rel):
+                raise FormatError(path, f"pack {rel!r} is not a pack file name ({TENSORS}/pack-NNNNN.safetensors)")
         if not isinstance(raw.get("runtime_dtype"), str) or raw["runtime_dtype"] not in NP_STORAGE:
             raise FormatError(path, f"unknown runtime_dtype {raw.get('runtime_dtype')!r}")
         if not isinstance(raw.get("tensors"), dict):
@@ -300,21 +336,28 @@ class Manifest:
                 int3_gate=_typed(raw["int3_gate"], dict, "int3_gate") if "int3_gate" in raw else None,
                 extra={k: v for k, v in raw.items() if k not in cls._FIELDS},
                 naming=raw.get("naming", "canonical"),
+                format_version=version,
+                packs={rel: FileRecord.from_json(r) for rel, r in packs.items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(path, f"bad manifest field ({type(e).__name__}: {e})") from None
         for name, entry in raw["tensors"].items():
             try:
-                manifest.tensors[name] = TensorEntry.from_json(name, entry)
+                manifest.tensors[name] = TensorEntry.from_json(name, entry, version)
             except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
                 raise FormatError(path, f"tensor {name!r}: bad entry ({e})") from None
+        if version >= 2:
+            try:
+                check_packs(manifest.tensors, manifest.packs)
+            except ValueError as e:
+                raise FormatError(path, str(e)) from None
         return manifest
 
     def to_json(self) -> dict:
         return _drop_none({
             **self.extra,
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "model_type": self.model_type,
             "naming": self.naming,
             "runtime_dtype": self.runtime_dtype,
@@ -326,6 +369,7 @@ class Manifest:
             "side_files": {rel: r.to_json() for rel, r in self.side_files.items()},
             "tensors": {name: e.to_json() for name, e in self.tensors.items()},
             "int3_gate": self.int3_gate,
+            "packs": {rel: r.to_json() for rel, r in self.packs.items()} if self.format_version >= 2 else None,
         })
 
     @property
@@ -337,5 +381,53 @@ class Manifest:
         return bool(self.int3_gate and self.int3_gate.get("passed", False))
 
     def part_files(self) -> dict[str, FileRecord]:
-        """Every part file of the store, relative to the npy-dir, with its record."""
+        """Every file that holds parts (format 1: each part's .npy; format 2: the packs), relative to the npy-dir,
+        with its record."""
+        if self.format_version >= 2:
+            return dict(self.packs)
         return {e.part_file(suffix): r for e in self.tensors.values() for suffix, r in e.files.items()}
+
+    def files_of(self, entry: TensorEntry) -> dict[str, FileRecord]:
+        """The files that hold `entry`'s parts, relative to the npy-dir, with their records."""
+        if self.format_version >= 2:
+            return {r.pack: self.packs[r.pack] for r in entry.files.values()}
+        return {entry.part_file(suffix): r for suffix, r in entry.files.items()}
+
+    def pack_parts(self) -> dict[str, list[tuple[str, str]]]:
+        """Format 2: each pack -> the (tensor name, suffix) of the parts it holds, in the order they lie in it."""
+        return _pack_parts(self.tensors)
+
+
+def _pack_parts(tensors: dict[str, TensorEntry]) -> dict[str, list[tuple[str, str]]]:
+    packs: dict[str, list[tuple[str, str]]] = {}
+    for name, entry in tensors.items():
+        for suffix in entry.kind.suffixes:
+            packs.setdefault(entry.files[suffix].pack, []).append((name, suffix))
+    # In the order of their offsets: manifest.json lists the tensors by name (write_json sorts keys), not as added
+    return {rel: sorted(parts, key=lambda p: tensors[p[0]].files[p[1]].offset) for rel, parts in sorted(packs.items())}
+
+
+def pack_layout(tensors: dict[str, TensorEntry], parts: list[tuple[str, str]]) -> tuple[dict[str, int], int]:
+    """packs.layout of the given parts (tensor name, suffix) of `tensors`."""
+    return layout([(tensors[name].part_name(suffix), *tensors[name].part_spec(suffix)) for name, suffix in parts])
+
+
+def check_packs(tensors: dict[str, TensorEntry], packs: dict[str, FileRecord]) -> None:
+    """ValueError unless the parts of `tensors` lie in `packs` exactly as the writer lays them out: every part in a
+    listed pack, at the offset the pack's layout gives it (so no two overlap and none runs past the end), each pack
+    holding at least one part and of the size that layout gives. A format-2 manifest and a writer's journal are both
+    checked so before anything reads a pack."""
+    held = _pack_parts(tensors)
+    for rel in packs.keys() - held.keys():
+        raise ValueError(f"pack {rel!r} holds no part")
+    for rel, parts in held.items():
+        if rel not in packs:
+            raise ValueError(f"tensor {parts[0][0]!r}: part {parts[0][1]} is in {rel!r}, which is not a listed pack")
+        offsets, size = pack_layout(tensors, parts)
+        for name, suffix in parts:
+            recorded, expected = tensors[name].files[suffix].offset, offsets[tensors[name].part_name(suffix)]
+            if recorded != expected:
+                raise ValueError(f"tensor {name!r}: part {suffix} is recorded at offset {recorded} of {rel}, "
+                                 f"which lays it out at {expected}")
+        if packs[rel].size != size:
+            raise ValueError(f"pack {rel!r} is recorded as {packs[rel].size} bytes; its parts lay out as {size}")

@@ -1,7 +1,9 @@
 """An opened npy-dir: its validated manifest, and typed, checked access to the stored parts.
 
 Every part is checked against the dtype and shape its role demands (`TensorEntry.part_spec`) before it is used,
-and every path is checked to stay inside the directory.
+and every path is checked to stay inside the directory. A format-1 part is its own .npy, whose header says so; a
+format-2 part lies in a pack (packs.py) at the offset the manifest records, checked against the pack's layout when
+the manifest is read, and the pack's header against that same layout when the pack is first opened.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import mmap
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +30,7 @@ from ..io.files import open_regular, read_bytes, read_json, regular_file
 from ..io.npy import read_npy_header
 from ..quant.schemes import rows_cols
 from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
+from .packs import alignment
 
 TOKENIZER_FACTS = "squishlike_tokenizer.json"  # the tokenizer's facts (squishlike/tokenizer.py), a side file
 UNRECORDED = f"not written by squishlike: {MANIFEST} records no such file"  # a side file the manifest lacks
@@ -71,14 +74,6 @@ def read_source(path: str | Path) -> Source | None:
         raise FormatError(manifest_path, f"bad source record ({type(e).__name__}: {e})") from None
 
 
-@contextlib.contextmanager
-def _open_data(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
-    """(file descriptor, offset of the data) of the regular file `path`, a .npy whose header says exactly
-    `dtype` and `shape` in C order (io.npy.read_npy_header); FormatError naming the file otherwise."""
-    with open_regular(path) as f:
-        yield f.fileno(), read_npy_header(f, path, dtype, shape)
-
-
 def _pread_into(fd: int, path: Path, view: memoryview, offset: int) -> None:
     """Fill `view` from the file at `offset`; FormatError when the file ends first."""
     done = 0
@@ -105,6 +100,8 @@ class NpyDir:
         except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
             raise FormatError(manifest_path, f"not readable as JSON: {e}") from None
         self.manifest = Manifest.from_json(parsed, manifest_path)
+        self._pack_parts = self.manifest.pack_parts() if self.version >= 2 else {}
+        self._checked_packs: dict[str, Path] = {}  # format 2: the packs whose header was checked, by name
         self._validate_side_files(manifest_path)
         self._validate_architecture(manifest_path)
         self._validate_dimensions(manifest_path)
@@ -172,6 +169,11 @@ class NpyDir:
     # -- manifest views
 
     @property
+    def version(self) -> int:
+        """The store's format version (docs/format.md §2): 1, one .npy per part; 2, the parts in packs."""
+        return self.manifest.format_version
+
+    @property
     def runtime_dtype(self) -> str:
         return self.manifest.runtime_dtype
 
@@ -192,7 +194,14 @@ class NpyDir:
     # -- parts
 
     def part_path(self, name: str, suffix: str) -> Path:
-        path = self.path / self.entry(name).part_file(suffix)
+        """The file that holds one part (format 1: its .npy; format 2: its pack, its header checked): a regular
+        file inside the store."""
+        entry = self.entry(name)
+        if self.version >= 2:
+            return self.pack_path(entry.files[suffix].pack)
+        return self._stored_file(self.path / entry.part_file(suffix))
+
+    def _stored_file(self, path: Path) -> Path:
         try:
             if path.is_symlink() or path.parent.is_symlink():  # squishlike writes none: a link can only lead out
                 raise FormatError(path, f"is a symbolic link; a stored part must be a file inside {self.path}")
@@ -200,10 +209,52 @@ class NpyDir:
             raise FormatError(path, f"unusable file name ({e.strerror})") from None
         return regular_file(path, self.path)
 
+    def pack_path(self, rel: str) -> Path:
+        """The path of one pack (format 2), once checked: a regular file inside the store whose safetensors header
+        is exactly the layout of the parts the manifest puts in it (names, dtypes, shapes, offsets, in order), and
+        exactly as long. FormatError naming the pack otherwise. Checked once per opened store: a header read."""
+        checked = self._checked_packs.get(rel)
+        if checked is not None:
+            return checked
+        from ..formats.safetensors import Tensor, check_layout  # noqa: PLC0415 - formats/ imports npydir
+
+        if rel not in self._pack_parts:
+            raise FormatError(self.path / MANIFEST, f"records no pack {rel!r}")
+        path = self._stored_file(self.path / rel)
+        tensors = []
+        for name, suffix in self._pack_parts[rel]:
+            entry = self.entries[name]
+            dtype, shape = entry.part_spec(suffix)
+            tensors.append(Tensor(entry.part_name(suffix), dtype.name, tuple(shape), None))
+        check_layout(path, tensors, self.path, alignment())
+        self._checked_packs[rel] = path
+        return path
+
+    @property
+    def packs(self) -> dict[str, list[tuple[str, str]]]:
+        """Format 2: each pack -> the (tensor name, suffix) of its parts, in file order; {} in format 1."""
+        return self._pack_parts
+
+    @contextlib.contextmanager
+    def _open_part(self, name: str, suffix: str) -> Iterator[tuple[Path, BinaryIO, int]]:
+        """(the file holding one part, open; where the part's data starts in it): its own .npy, whose header must
+        say exactly the part's dtype and shape in C order (format 1), or its pack, checked by pack_path, at the
+        offset the manifest records (format 2). FormatError naming the file otherwise."""
+        entry = self.entry(name)
+        path = self.part_path(name, suffix)
+        with open_regular(path, self.path) as f:
+            if self.version >= 2:
+                yield path, f, entry.files[suffix].offset
+            else:
+                yield path, f, read_npy_header(f, path, *entry.part_spec(suffix))
+
     def check_part_sizes(self) -> None:
         """Every stored part is a regular file big enough for the data its manifest entry claims: call before
-        allocating anything from the manifest's shapes, so a hostile manifest cannot ask for terabytes."""
-        for name, entry in self.entries.items():
+        allocating anything from the manifest's shapes, so a hostile manifest cannot ask for terabytes. Format 2:
+        every pack's header and size (pack_path)."""
+        for rel in self._pack_parts:
+            self.pack_path(rel)
+        for name, entry in self.entries.items() if self.version < 2 else ():
             for suffix in entry.kind.suffixes:
                 path = self.part_path(name, suffix)
                 dtype, shape = entry.part_spec(suffix)
@@ -221,22 +272,17 @@ class NpyDir:
         return {rel: record.to_json() for rel, record in recorded.items()}
 
     def checked_part(self, name: str, suffix: str) -> Path:
-        """The path of one stored part whose header and size were checked against the dtype, shape and order its
-        role demands: for a reader that opens the file itself (mx.load)."""
-        dtype, shape = self.entry(name).part_spec(suffix)
-        path = self.part_path(name, suffix)
-        with open_regular(path, self.path) as f:
-            read_npy_header(f, path, dtype, shape)
-        return path
+        """The path of the file holding one stored part, its header and size checked against the dtype, shape and
+        order the part's role demands: for a reader that opens the file itself (mx.load)."""
+        with self._open_part(name, suffix) as (path, _, _):
+            return path
 
     def load_part(self, name: str, suffix: str) -> np.ndarray:
         """One stored part, memory-mapped, checked against the dtype, shape and order its role demands; scales and
         offsets checked finite."""
         entry = self.entry(name)
         dtype, shape = entry.part_spec(suffix)
-        path = self.part_path(name, suffix)
-        with open_regular(path, self.path) as f:
-            offset = read_npy_header(f, path, dtype, shape)
+        with self._open_part(name, suffix) as (path, f, offset):
             array = np.memmap(f, dtype, "r", offset, shape) if math.prod(shape) else np.empty(shape, dtype)
         if entry.kind.quantized and suffix != entry.kind.suffixes[0] and not _all_finite(array, dtype):
             raise FormatError(path, "holds NaN or infinite scales or offsets")
@@ -246,24 +292,23 @@ class NpyDir:
         """Read one stored part into `out` (C-contiguous, of the part's dtype and size) with pread, checked as
         load_part checks it. For big passthrough tensors: the bytes land once, in the buffer that keeps them."""
         dtype, shape = self.entry(name).part_spec(suffix)
-        path = self.part_path(name, suffix)
         if out.dtype != dtype or out.size != math.prod(shape) or not out.flags.c_contiguous:
             raise ValueError(f"out is {out.dtype}{list(out.shape)}; {name}:{suffix} needs {dtype}{list(shape)}")
-        with _open_data(path, dtype, shape) as (fd, offset):
-            _pread_into(fd, path, memoryview(out.reshape(-1).view(np.uint8)), offset)
+        with self._open_part(name, suffix) as (path, f, offset):
+            _pread_into(f.fileno(), path, memoryview(out.reshape(-1).view(np.uint8)), offset)
 
     def read_part_block(self, name: str, suffix: str, rows: list[tuple[int, int]],
                         cols: tuple[int, int]) -> np.ndarray:
         """Rows `rows` (half-open runs) and columns `cols` of one stored part, seen as the kernels see it
         (`rows_cols`: a 1-D part is one row): only those bytes are copied. Checked as load_part checks it."""
         dtype, shape = self.entry(name).part_spec(suffix)
-        path = self.part_path(name, suffix)
         n_rows, n_cols = rows_cols(shape)
         (c0, c1), itemsize = cols, dtype.itemsize
         if any(not 0 <= r0 <= r1 <= n_rows for r0, r1 in rows) or not 0 <= c0 <= c1 <= n_cols:
-            raise ValueError(f"{path}: block rows {rows} cols {cols} outside [{n_rows}, {n_cols}]")
+            raise ValueError(f"{name}:{suffix}: block rows {rows} cols {cols} outside [{n_rows}, {n_cols}]")
         out = np.empty((sum(r1 - r0 for r0, r1 in rows), c1 - c0), dtype)
-        with _open_data(path, dtype, shape) as (fd, offset):
+        with self._open_part(name, suffix) as (path, f, offset):
+            fd = f.fileno()
             if (c0, c1) == (0, n_cols):  # whole rows: one pread per run of rows
                 view, at = memoryview(out.reshape(-1).view(np.uint8)), 0
                 for r0, r1 in rows:

@@ -1,28 +1,44 @@
 """Writing an npy-dir: the other half of reader.py. What the manifest records of a tensor and the files its parts
 are stored in are decided here, and only here; compress (squishlike/compressor.py) decides the values.
 
+The parts go into packs (packs.py, docs/format.md §3): the parts of one block of tensors (a layer; the tensors
+before or after the layers) are kept until the block ends, then written as one file. A pack therefore holds only
+whole tensors of one block, and a block whose tensors were all added is on disk once the next block starts.
+
 The writer fills a directory that nothing reads yet (compress's temporary directory, which publish_dir fsyncs and
-renames as a whole once the store is complete), so no file gets its own temporary name or fsync. The manifest is
-written last: a directory without one is no npy-dir (is_npydir).
+renames as a whole once the store is complete), so no pack gets its own temporary name. The manifest is written
+last: a directory without one is no npy-dir (is_npydir).
+
+A long compress can stop halfway (killed, out of memory, a reboot). `checkpoint` makes everything added so far
+durable and records it in a journal in the directory; `reopen` continues a writer from its last checkpoint, so a
+resumed compress redoes one block at most. The journal is removed when the manifest is written: a published store
+never holds one.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError
 from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
-from ..io.atomic import write_json
+from ..errors import FormatError, JournalError
+from ..formats.safetensors import Tensor, write_safetensors
+from ..io.atomic import fsync_dir, write_json
 from ..io.checksum import file_record
-from ..io.npy import write_npy_stream
-from .manifest import MANIFEST, TENSORS, FileRecord, Manifest, Policy, Source, TensorEntry
+from ..io.files import open_regular, read_json_object
+from .manifest import (FORMAT_VERSION, MANIFEST, TENSORS, FileRecord, Manifest, PartRecord, Policy, Source,
+                       TensorEntry, check_packs, pack_layout)
+from .packs import alignment, block_of, file_order, pack_name
 
-
-JOURNAL = ".journal.jsonl"  # the tensors written so far, in a directory being written (`checkpoint`)
+JOURNAL = ".journal.json"  # an unfinished writer's checkpoint (hidden: no reader looks for it)
+JOURNAL_VERSION = 1
+# A block bigger than this is split over several packs: the writer holds a pack's parts in memory until it is
+# written, and a layer of a big mixture of experts can be gigabytes.
+PACK_BYTES = 1 << 30
 
 
 class NpyDirWriter:
@@ -33,15 +49,22 @@ class NpyDirWriter:
         self.path = Path(path)
         self.runtime_dtype = runtime_dtype
         self.tensors: dict[str, TensorEntry] = {}  # canonical name -> entry, in the order they were added
+        self.packs: dict[str, FileRecord] = {}  # each pack written -> its record
         self.side_files: dict[str, FileRecord] = {}
         self.manifest: Manifest | None = None  # once written
-        self._journaled: set[str] = set()  # the tensors the journal records (checkpoint)
-        (self.path / TENSORS).mkdir()
+        self._pending: list[tuple[str, str, np.ndarray]] = []  # (name, suffix, data) of the pack not written yet
+        self._pending_block: str | None = None
+        self._pending_bytes = 0
+        self._unsynced: list[Path] = []  # packs written since the last checkpoint
+        (self.path / TENSORS).mkdir(exist_ok=True)
 
     def add_tensor(self, name: str, entry: TensorEntry, parts: dict[str, np.ndarray] | None, values: np.ndarray,
                    values_dtype: str) -> TensorEntry:
-        """Write one tensor's files and record them in `entry`: `parts` (by suffix) for a quantized scheme, or its
-        `values` (of dtype `values_dtype`) for a passthrough one. Returns the entry, complete."""
+        """Add one tensor, recorded in `entry`: `parts` (by suffix) for a quantized scheme, or its `values` (of
+        dtype `values_dtype`) for a passthrough one. Returns the entry; its `files` say where each part lies once
+        its pack is written (when the next block starts, at checkpoint, or with the manifest)."""
+        if name in self.tensors:
+            raise ValueError(f"{self.path}: tensor {name!r} is added twice")
         if not entry.kind.quantized:
             if entry.dtype not in NP_STORAGE and values_dtype != self.runtime_dtype:
                 # Dequantized from a quantized source (a GGUF Q8_0 embedding): its float32 values hold no more than
@@ -49,44 +72,98 @@ class NpyDirWriter:
                 values, values_dtype = to_numpy(to_mx(values, values_dtype).astype(MX_DTYPES[self.runtime_dtype]))
             parts = dict(zip(entry.kind.suffixes, [values]))
             entry.stored_dtype = values_dtype
-        entry.files = {
-            suffix: FileRecord.from_json(write_npy_stream(self.path / entry.part_file(suffix), part, atomic=False))
-            for suffix, part in parts.items()
-        }
+        block = block_of(name)
+        if self._pending and (block != self._pending_block or self._pending_bytes >= PACK_BYTES):
+            self._write_pack()
+        self._pending_block = block
+        entry.files = {}
+        for suffix in entry.kind.suffixes:
+            data = np.asarray(parts[suffix], order="C")  # keeps a 0-d array 0-d, as ascontiguousarray does not
+            dtype, shape = entry.part_spec(suffix)
+            if data.dtype != dtype or data.shape != tuple(shape):  # the manifest's offsets follow from the spec
+                raise ValueError(f"{self.path}: {name} part {suffix} is {data.dtype}{list(data.shape)}; its scheme "
+                                 f"stores {dtype}{list(shape)}")
+            self._pending.append((name, suffix, data))
+            self._pending_bytes += data.nbytes
         self.tensors[name] = entry
         return entry
 
+    def _write_pack(self) -> None:
+        """Write the parts added since the last pack as the next pack, and record where each lies."""
+        if not self._pending:
+            return
+        rel = pack_name(len(self.packs))
+        pending = [self._pending[i] for i in file_order([data.nbytes for _, _, data in self._pending])]
+        tensors = [Tensor(self.tensors[name].part_name(suffix), data.dtype.name, data.shape, data)
+                   for name, suffix, data in pending]
+        record = write_safetensors(self.path / rel, tensors, atomic=False, align=alignment())
+        offsets, _ = pack_layout(self.tensors, [(name, suffix) for name, suffix, _ in pending])
+        for (name, suffix, data), tensor in zip(pending, tensors):
+            self.tensors[name].files[suffix] = PartRecord(rel, offsets[tensor.name], data.nbytes)
+        self.packs[rel] = FileRecord.from_json(record)
+        self._unsynced.append(self.path / rel)
+        self._pending, self._pending_block, self._pending_bytes = [], None, 0
+
     def checkpoint(self) -> None:
-        """Record the tensors added since the last checkpoint in the directory's journal: a run killed after this
-        point and reopened (`reopen`) keeps them. One line appended per checkpoint; a line cut short by a kill is no
-        checkpoint. Not synced, as the parts are not: the directory is synced once, when it is published."""
-        new = {n: e.to_json() for n, e in self.tensors.items() if n not in self._journaled}
-        with open(self.path / JOURNAL, "ab") as f:
-            f.write(json.dumps(new, separators=(",", ":")).encode() + b"\n")
-        self._journaled.update(new)
+        """Make every tensor added so far durable: its pack written and fsynced, and the journal (atomically
+        replaced) recording them, so that `reopen` after a crash continues from here. Compress calls it after each
+        block."""
+        self._write_pack()
+        for path in self._unsynced:
+            with open_regular(path, self.path) as f:
+                os.fsync(f.fileno())
+        if self._unsynced:
+            fsync_dir(self.path / TENSORS)
+        self._unsynced = []
+        write_json(self.path / JOURNAL, {
+            "journal_version": JOURNAL_VERSION,
+            "format_version": FORMAT_VERSION,
+            "runtime_dtype": self.runtime_dtype,
+            "packs": {rel: record.to_json() for rel, record in self.packs.items()},
+            "tensors": {name: entry.to_json() for name, entry in self.tensors.items()},
+        })
 
     @classmethod
     def reopen(cls, path: str | Path, runtime_dtype: str) -> NpyDirWriter:
-        """A writer over the directory a killed run left: the tensors of its last checkpoint, the files written
-        after it deleted. FormatError when there is no journal (the caller starts over)."""
+        """A writer over the directory an interrupted writer left: it holds exactly the tensors of its last
+        checkpoint (`tensors`), every file in `tensors/` written after that checkpoint is deleted, and adding
+        continues into the next pack. JournalError naming the journal when there is none, or when it is unreadable
+        or disagrees with the directory (a pack missing, of another size or layout): the caller starts over."""
         path = Path(path)
-        tensors: dict[str, TensorEntry] = {}
+        journal = path / JOURNAL
+        if not os.path.lexists(journal):
+            raise JournalError(journal, "is missing: the writer never reached a checkpoint")
         try:
-            lines = (path / JOURNAL).read_bytes().split(b"\n")
-        except OSError as e:
-            raise FormatError(path / JOURNAL, f"cannot resume from it: {e.strerror}") from None
-        for line in lines[:-1]:  # the last piece has no newline: empty, or a line the kill cut short
+            raw = read_json_object(journal, path)
+        except FormatError as e:
+            raise JournalError(journal, e.problem) from None
+        if raw.get("journal_version") != JOURNAL_VERSION or raw.get("format_version") != FORMAT_VERSION:
+            raise JournalError(journal, f"was written by another version of the writer (journal "
+                                        f"{raw.get('journal_version')!r}, format {raw.get('format_version')!r})")
+        if raw.get("runtime_dtype") != runtime_dtype:
+            raise JournalError(journal, f"records runtime dtype {raw.get('runtime_dtype')!r}, not {runtime_dtype!r}")
+        try:
+            packs = {rel: FileRecord.from_json(r) for rel, r in raw["packs"].items()}
+            tensors = {name: TensorEntry.from_json(name, e) for name, e in raw["tensors"].items()}
+            check_packs(tensors, packs)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
+            raise JournalError(journal, f"is inconsistent ({type(e).__name__}: {e})") from None
+        if list(packs) != [pack_name(i) for i in range(len(packs))]:
+            raise JournalError(journal, "does not list the packs in the order they are written")
+        for rel, record in packs.items():  # durable at the checkpoint: anything else is a damaged directory
             try:
-                tensors.update({n: TensorEntry.from_json(n, e) for n, e in json.loads(line).items()})
-            except (ValueError, TypeError, AttributeError) as e:
-                raise FormatError(path / JOURNAL, f"cannot resume from it: {e}") from None
-        writer = cls.__new__(cls)
-        writer.path, writer.runtime_dtype, writer.tensors = path, runtime_dtype, tensors
-        writer.side_files, writer.manifest, writer._journaled = {}, None, set(tensors)
-        kept = {e.part_file(suffix) for e in tensors.values() for suffix in e.kind.suffixes}
-        for f in (path / TENSORS).iterdir():
-            if f"{TENSORS}/{f.name}" not in kept:
-                f.unlink()
+                size = (path / rel).stat().st_size
+            except OSError as e:
+                raise JournalError(journal, f"records {rel}, which is unreadable ({e.strerror})") from None
+            if size != record.size:
+                raise JournalError(journal, f"records {rel} as {record.size} bytes; it is {size}")
+        for child in (path / TENSORS).iterdir():  # the packs (and temps) of the interrupted block
+            if f"{TENSORS}/{child.name}" not in packs:
+                with contextlib.suppress(FileNotFoundError):
+                    child.unlink()
+        fsync_dir(path / TENSORS)
+        writer = cls(path, runtime_dtype)
+        writer.tensors, writer.packs = tensors, packs
         return writer
 
     def add_side_files(self, written: list[Path]) -> None:
@@ -95,7 +172,9 @@ class NpyDirWriter:
 
     def write_manifest(self, *, model_type: str, naming: str, scheme: str, group_size: int, clip_search: bool,
                        source: Source, policy: Policy, extra: dict[str, Any]) -> Manifest:
-        """The manifest of every tensor and side file added, written; returns it."""
+        """The manifest of every tensor and side file added, written; returns it. The journal goes: the
+        directory is a complete store now, not a writer's work in progress."""
+        self._write_pack()
         self.manifest = Manifest(
             model_type=model_type,
             naming=naming,
@@ -108,8 +187,11 @@ class NpyDirWriter:
             tensors=self.tensors,
             side_files=self.side_files,
             extra=dict(extra),
+            packs=self.packs,
         )
         self._write()
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / JOURNAL).unlink()
         return self.manifest
 
     def record_int3_gate(self, record: dict[str, Any]) -> None:
@@ -121,4 +203,3 @@ class NpyDirWriter:
 
     def _write(self) -> None:
         write_json(self.path / MANIFEST, self.manifest.to_json())  # atomic: a reader never sees half of it
-        (self.path / JOURNAL).unlink(missing_ok=True)  # a published store has no journal

@@ -1,5 +1,5 @@
-"""How a load runs the decision (tiers/__init__.py): the forced tier, or the first ready one in this device's order,
-skipping a damaged one; when none is ready, the cold path (build.py).
+"""How a load runs its plan (tiers/__init__.py `decide`): the forced tier, or the first ready one in this device's
+order, skipping a damaged one; when none is ready, the cold path (build.py).
 
 A process that waited on the directory lock re-checks the cache tiers first and loads the one its predecessor
 built instead of building it again (build.cold_and_build).
@@ -14,9 +14,8 @@ import warnings
 from .. import memory
 from ..environment import switch
 from ..errors import FormatError, TierNotReadyError
-from ..io.sentinel import ABSENT, sentinel_says_damaged
 from ..npydir import NpyDir
-from . import BY_NAME, COLD, ORDER, TIER_NAMES, TIERS, first_builds, target
+from . import BUILT, COLD_PATH, ORDER, STORE, TIERS, Plan, decide, first_builds, target
 from . import background as background_build
 from .base import Loaded, Tier
 from .build import cold_and_build
@@ -30,9 +29,11 @@ def verify_wanted(verify: bool | None = None) -> bool:
     return verify if verify is not None else switch("SQUISHLIKE_VERIFY")
 
 
-def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, verify: bool | None = None) -> Loaded:
-    """Weights for the model, from the forced `tier` or the first ready one in this device's order; when none is
-    ready, the cold path (which builds the tier the order will use).
+def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, verify: bool | None = None,
+                 plan: Plan | None = None) -> Loaded:
+    """Weights for the model, as `plan` says (default: decide(store, tier), the decision tree): the forced `tier` or
+    the first ready one in this device's order; when none is ready, the cold path (which builds the tier the order
+    will use).
 
     `lazy=True` leaves a ready tier's arrays unevaluated, as mlx_lm.load(lazy=True) does; the cold path always
     computes them. The cold path always checks the store's files against the manifest's fast hash; `verify`
@@ -42,41 +43,48 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
     verify = verify_wanted(verify)
     try:
         store.check_side_files(verify)  # the tiers record the weights only: what else a load reads, checked here
-        if tier is not None:
-            return _load_forced(store, tier, lazy, verify)
-        damaged: list[str] = []
-        loaded = _first_ready(store, lazy, damaged, verify)
-        if loaded is not None:
-            return loaded
-        # A damaged tier is rebuilt from the store now (cold path), even when a slower tier is ready.
-        return cold_and_build(store, first_builds(store), lazy, recheck=not damaged, verify=verify,
-                               background=background_build.background_wanted())
+        return _run(store, plan if plan is not None else decide(store, tier), lazy, verify)
     finally:
         memory.release()  # a prepare_memory() reservation this load did not use
 
 
-def _load_forced(store: NpyDir, tier: str, lazy: bool = False, verify: bool = False) -> Loaded:
-    """The named tier's weights; one the policy asks for but never built (no sentinel at all) is built now (cold
-    path). Any other tier that is not ready is an error: a stale, damaged or foreign sentinel is never trusted and
-    never silently replaced by a forced load."""
-    if tier not in BY_NAME:
-        raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIER_NAMES)}")
-    chosen = BY_NAME[tier]
-    payload, why = chosen.ready(store)
-    if payload is None and chosen.serves_from_store(store):
+def _run(store: NpyDir, plan: Plan, lazy: bool, verify: bool) -> Loaded:
+    chosen = plan.tier
+    if plan.source == STORE:
         return chosen.from_store(store, lazy=lazy, verify=verify)
-    if payload is not None:
-        _say_if_slower(store, chosen)
-        if chosen is COLD:  # it checks the store's files as it loads them
-            return COLD.load(store, verify=verify)
-        chosen.check_files(store, payload, verify)
-        return chosen.load(store, lazy=lazy)
-    if chosen is not COLD and chosen.wanted(store) and why == ABSENT:
-        cold_and_build(store, [chosen], lazy, verify=verify)
+    if plan.source == BUILT:
+        if plan.forced:
+            _say_if_slower(store, chosen)
+        try:
+            chosen.check_files(store, plan.payload, verify)  # a file replaced since its sentinel was written is hashed
+            return chosen.load(store, lazy=lazy)
+        except (FormatError, OSError, ValueError, RuntimeError) as e:
+            if plan.forced:
+                raise
+            # A tier that passed its cheap checks but fails to load is corrupt: skip it; the cold path rebuilds it.
+            warnings.warn(f"{store.path}: tier {chosen.name} is unreadable ({e}); skipping it and rebuilding")
+            _remove(store, chosen)
+            return cold_and_build(store, first_builds(store), lazy, recheck=False, verify=verify,
+                                  background=background_build.background_wanted())
+    if plan.source == COLD_PATH:
+        if plan.damaged is not None:  # rebuilt from the store now (cold path), even when a slower tier is ready
+            warnings.warn(f"{store.path / plan.damaged.sentinel}: tier {plan.damaged.name} is damaged "
+                          f"({plan.state}); skipping it and rebuilding it from the store")
+            _remove(store, plan.damaged)
+        return cold_and_build(store, list(plan.builds), lazy, recheck=plan.damaged is None, verify=verify,
+                              background=background_build.background_wanted() and not plan.forced)
+    if plan.builds:  # MISSING, forced, in the policy and never built: build it now
+        cold_and_build(store, list(plan.builds), lazy, verify=verify)
         if chosen.ready(store)[0] is not None:
             _say_if_slower(store, chosen)
             return chosen.load(store, lazy=lazy)
-    raise TierNotReadyError(_not_ready(store, chosen, why))
+    raise TierNotReadyError(_not_ready(store, chosen, plan.state))
+
+
+def _remove(store: NpyDir, tier: Tier) -> None:
+    """Remove a damaged tier's sentinel, so no load takes it again; the cold path rebuilds it if it builds it."""
+    with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
+        tier.invalidate(store)
 
 
 def _say_if_slower(store: NpyDir, forced: Tier) -> None:
@@ -96,34 +104,3 @@ def _not_ready(store: NpyDir, tier: Tier, why: str) -> str:
         how = tier.unavailable(store) or f"compress again with {tier.name} in tiers= and a first load builds it"
     return (f"{store.path}: tier {tier.name!r} is not ready ({tier.sentinel}: {why}); ready: {', '.join(ready)}; "
             f"{how}")
-
-
-def _first_ready(store: NpyDir, lazy: bool = False, damaged: list[str] | None = None,
-                 verify: bool = False) -> Loaded | None:
-    """The first ready tier's weights. With `damaged`, stop at the first tier whose files are damaged (missing,
-    wrong size, unreadable header), name it there and return None, so the caller rebuilds it."""
-    for tier in ordered(ORDER):
-        payload, why = tier.ready(store)
-        if payload is None and tier.serves_from_store(store):
-            return tier.from_store(store, lazy=lazy, verify=verify)
-        if payload is None:
-            if damaged is not None and sentinel_says_damaged(why) and tier.wanted(store):
-                warnings.warn(f"{store.path / tier.sentinel}: tier {tier.name} is damaged ({why}); "
-                              "skipping it and rebuilding it from the store")
-                with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
-                    tier.invalidate(store)
-                damaged.append(tier.name)
-                return None
-            continue
-        try:
-            tier.check_files(store, payload, verify)  # a file replaced since its sentinel was written is hashed
-            return tier.load(store, lazy=lazy)
-        except (FormatError, OSError, ValueError, RuntimeError) as e:
-            # A tier that passed its cheap checks but fails to load is corrupt: skip it; the cold path rebuilds it.
-            warnings.warn(f"{store.path}: tier {tier.name} is unreadable ({e}); skipping it and rebuilding")
-            with contextlib.suppress(OSError):  # a read-only directory: nothing to rebuild into anyway
-                tier.invalidate(store)
-            if damaged is not None:
-                damaged.append(tier.name)
-                return None
-    return None

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..dtypes import MX_DTYPES, NP_STORAGE
-from ..formats.safetensors import Tensor, check_layout, layout, write_safetensors
+from ..formats.safetensors import PAGE_ALIGN, Tensor, check_layout, layout, write_safetensors
 from ..io.files import open_regular
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
@@ -23,9 +23,7 @@ from ..memory import load_parallel, prefetch
 
 WEIGHTS = "squish_weights.safetensors"
 METADATA = {"format": "mlx"}  # what mx.save_safetensors records
-# Every tensor of a cache file starts on a 16 KiB boundary (Apple silicon's page size): Metal can then wrap a
-# mapping of the file as the arrays' memory, without a copy (map_without_copy).
-ALIGN = 16 << 10
+ALIGN = PAGE_ALIGN  # every tensor of a cache file starts on a 16 KiB page: Metal maps it (map_without_copy)
 
 
 class MlxTier(Tier):

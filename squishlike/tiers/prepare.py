@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from .. import memory
 from ..npydir import NpyDir
-from . import COLD, ORDER, TIERS
-from .order import ordered
+from . import Plan, decide
 
 
 def release_memory() -> None:
@@ -14,25 +13,21 @@ def release_memory() -> None:
     memory.release()
 
 
-def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False) -> bool:
-    """Get ready, on background threads, for load_weights(store, tier): fault in the memory it will fill, and
-    ask the kernel to read ahead the files it will read if they are not in the page cache.
+def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False, plan: Plan | None = None) -> bool:
+    """Get ready, on background threads, for load_weights(store, tier) (or for `plan`, the load's own): fault in
+    the memory it will fill, and ask the kernel to read ahead the files it will read if they are not in the page
+    cache.
 
     For a caller with other work to do first (importing mlx_lm and transformers, building the tokenizer: ~1 s):
     getting fresh memory is most of a warm load, and reading the disk most of a cold one (docs/design.md §3.1);
     both can run beside that work instead of after it. load_weights then uses the reservation (or releases it).
-    Cheap: it only reads sentinels. Returns whether memory was reserved."""
+    Cheap: it only reads sentinels (none, given the plan). Returns whether memory was reserved."""
     if lazy:
         return False
     try:
-        candidates = [*ordered(ORDER), COLD] if tier is None else [t for t in TIERS if t.name == tier]
-        # A tier read from the store has no sentinel payload: its read prefetches its parts itself.
-        chosen, payload = next(((t, p or {}) for t in candidates
-                                if (p := t.ready(store)[0]) is not None or t.serves_from_store(store)), (None, None))
-        if chosen is None:
-            return False  # an unknown tier or one that is not ready: load_weights says why
-        files, nbytes = [store.path / rel for rel in payload.get("files", {})], chosen.nbytes(store)
-    except (OSError, ValueError, KeyError):
+        plan = plan if plan is not None else decide(store, tier)
+        files, nbytes = plan.files(store), plan.nbytes(store)
+    except (OSError, ValueError, KeyError):  # an unknown tier, an unreadable sentinel: load_weights says why
         return False
     memory.prefetch(files)
     return memory.reserve(nbytes) if nbytes else False

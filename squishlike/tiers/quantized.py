@@ -36,7 +36,7 @@ from ..io.files import read_json
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from ..quant import mlx_words
-from ..memory import load_each_parallel, prefetch
+from ..memory import load_each_parallel, load_files_parallel, prefetch
 from .base import Loaded, Tier, mlx_names
 from .mlx import ALIGN, METADATA, load_safetensors
 from .order import from_store_here
@@ -48,7 +48,7 @@ class _StoredPart(NamedTuple):
     """One stored part as from_store reads it: its file, whose part it is, its NumPy dtype and shape at rest (what
     its header must declare), and the MLX dtype and shape the tier's model takes it as."""
 
-    path: Path
+    path: Path  # format 1: the part's .npy; format 2: its pack
     name: str
     suffix: str
     stored: np.dtype
@@ -79,10 +79,9 @@ class QuantizedTier(Tier):
         return {name for name, entry in store.entries.items() if entry.scheme != self.scheme}
 
     def nbytes(self, store: NpyDir) -> int:
+        """The built tier's file (read from the store instead, the plan counts the store's parts: Plan.nbytes)."""
         with contextlib.suppress(OSError):
             return (store.path / self.directory / WEIGHTS).stat().st_size
-        if self.serves_from_store(store):  # about what from_store reads: the store's parts
-            return sum(record.size for record in store.part_files().values())
         return 0
 
     def load(self, store: NpyDir, lazy: bool = False) -> Loaded:
@@ -111,12 +110,11 @@ class QuantizedTier(Tier):
         if verify:
             check_files(store.path, store.file_records(), every=True)
         names = mlx_names(store)
-        parts = self._parts(store, names)
+        parts = self._parts(store, names)  # format 2: each pack's header checked against the manifest here
         if not lazy:
-            prefetch([part.path for part in parts.values()])
-        sizes = {key: math.prod(part.stored_shape) * part.stored.itemsize for key, part in parts.items()}
+            prefetch(list(dict.fromkeys(part.path for part in parts.values())))
         try:
-            raw = load_each_parallel(lambda key, stream: mx.load(str(parts[key].path), stream=stream), sizes, lazy=lazy)
+            raw = _read_parts(store, parts, lazy)
             wrong = any(tuple(raw[key].shape) != part.stored_shape or raw[key].dtype != _AT_REST[part.stored]
                         for key, part in parts.items())
         except (RuntimeError, ValueError):  # MLX read a header it could not parse, or a file shorter than its data
@@ -216,6 +214,24 @@ class QuantizedTier(Tier):
 
     def _words(self, store: NpyDir, name: str, suffix: str):
         return lambda: mlx_words(self.scheme, store.load_part(name, suffix))
+
+
+def _read_parts(store: NpyDir, parts: dict[str, _StoredPart], lazy: bool) -> dict[str, mx.array]:
+    """Each part as MLX reads it at rest, by mlx_lm parameter name: format 2 opens each pack once (`mx.load`)
+    and takes the parts wanted from it; format 1 opens each part's own .npy."""
+    if store.version < 2:
+        sizes = {key: math.prod(part.stored_shape) * part.stored.itemsize for key, part in parts.items()}
+        return load_each_parallel(lambda key, stream: mx.load(str(parts[key].path), stream=stream), sizes, lazy=lazy)
+    wanted: dict[str, dict[str, str]] = {}  # pack path -> {part name in the pack: mlx_lm name}
+    for key, part in parts.items():
+        wanted.setdefault(str(part.path), {})[store.entry(part.name).part_name(part.suffix)] = key
+    sizes = {path: Path(path).stat().st_size for path in wanted}  # a pack per stream, balanced by bytes
+
+    def open_pack(path: str, stream: mx.Stream) -> dict[str, mx.array]:
+        arrays = mx.load(path, stream=stream)
+        return {key: arrays[in_pack] for in_pack, key in wanted[path].items()}
+
+    return load_files_parallel(open_pack, sizes, lazy=lazy)
 
 
 def _canonical(value: dict) -> str:

@@ -153,10 +153,10 @@ def test_inspect_and_verify(tiny_llama, tmp_path):
     assert report["tiers"]["int4"]["state"] == "ready" and report["tiers"]["finalized"]["state"] == "absent"
     assert report["quality"]["layers.0.ffn.up.weight"]["rel_error"] > 0
     assert f"load takes    {report['load']['tier']}: " in cli("inspect", out).stdout
-    assert cli("verify", out).stdout.strip() == f"{out}: OK (npydir: checked the checksum of every file of the " \
+    assert cli("verify", out).stdout.strip() == f"{out}: OK (npydir format 2: checked the checksum of every file of the " \
                                                 "store and of each ready tier and rank share)"
 
-    victim = next((out / "tensors").glob("*__q4.npy"))
+    victim = next((out / "tensors").glob("pack-*.safetensors"))
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -288,7 +288,7 @@ def test_inspect_summary_first_and_fitted_to_the_terminal(tiny_llama, tmp_path):
         text = subprocess.run([sys.executable, "-m", "squishlike", "inspect", str(out)], capture_output=True,
                               text=True, env=env, check=True).stdout
         lines = text.splitlines()
-        assert lines[0] == str(out) and lines[1] == "  format        npydir: INT4 store, runtime float32"
+        assert lines[0] == str(out) and lines[1] == "  format        npydir format 2: INT4 store, runtime float32"
         assert lines[2].startswith("  architecture  llama: ") and lines[3].startswith("  size          ")
         assert f"load takes    {served}: {report['load']['reason']}" in text
         size = f"{report['tiers'][served]['bytes'] / 1e6:.1f}"

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from support.format1 import as_format_1
 from support.options import ROUND_TO_NEAREST
 from support.tiny_models import assert_same_weights, cosine, disk_bytes, logits
 
@@ -235,12 +236,16 @@ def test_quantized_tier_is_read_from_the_store(tiny_llama, tmp_path, monkeypatch
     assert squishlike.load(out, tier=built.name)[0] is not None and _files(out) == before  # forced: from the store
 
 
-def test_store_read_refuses_damaged_parts(tiny_llama, tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_store_read_refuses_damaged_parts(tiny_llama, tmp_path, version):
     """Read from the store, a part is checked as a built tier's file is: its size and its header against the
-    manifest at every load, and with verify every hash the manifest records."""
+    manifest at every load (format 2: the header of the pack holding it), and with verify every hash the manifest
+    records."""
     from squishlike.errors import FormatError, IntegrityError
 
     out = squishlike.compress(tiny_llama, tmp_path / "int4", scheme="int4", **ROUND_TO_NEAREST)
+    if version == 1:
+        as_format_1(out)
     store = NpyDir(out)
     entry = store.entries["layers.0.attention.q.weight"]
     codes = store.part_path("layers.0.attention.q.weight", entry.kind.suffixes[0])
@@ -250,11 +255,14 @@ def test_store_read_refuses_damaged_parts(tiny_llama, tmp_path):
     with pytest.raises(IntegrityError, match=codes.name):
         load_weights(NpyDir(out), verify=True)
     codes.write_bytes(data[:-16])  # truncated
-    with pytest.raises(FormatError, match="bytes; a "):
+    with pytest.raises(FormatError, match="bytes; a " if version == 1 else "bytes; its header describes"):
         load_weights(NpyDir(out))
-    np_header_other_shape = data.replace(b"'shape': (", b"'shape': (1, ", 1)
-    codes.write_bytes(np_header_other_shape)
-    with pytest.raises(FormatError, match="its role needs"):
+    if version == 1:
+        other_shape = data.replace(b"'shape': (", b"'shape': (1, ", 1)
+    else:
+        other_shape = data.replace(b'"dtype":"U8"', b'"dtype":"I8"', 1)  # relabelled codes, the header as long
+    codes.write_bytes(other_shape)
+    with pytest.raises(FormatError, match="its role needs" if version == 1 else "squishlike wrote"):
         load_weights(NpyDir(out))
     assert not any(p.name.startswith("squish_") for p in out.iterdir())
 
@@ -289,10 +297,10 @@ def test_passthrough_rules_recorded(tiny_llama, tmp_path):
     assert entries["output_norm.weight"].scheme == "passthrough"
     q = entries["layers.1.ffn.down.weight"]
     assert 0 < q.error.rel_error < 0.25 and q.error.cosine > 0.95
-    # Every manifest name round-trips through its key, and the files it lists exist.
+    # Every manifest name round-trips through its key, and the packs it lists exist.
     for name, e in entries.items():
-        for suffix in e.files:
-            assert (out / "tensors" / f"{e.key}__{suffix}.npy").is_file()
+        for record in e.files.values():
+            assert (out / record.pack).is_file()
 
 
 def test_every_tensor_of_a_cache_file_starts_on_a_16k_boundary(tiny_llama, tmp_path):
@@ -329,5 +337,5 @@ def test_memory_reserved_ahead_is_what_the_store_read_fills(tiny_llama, tmp_path
     asked = []
     monkeypatch.setattr(memory, "reserve", lambda nbytes: asked.append(nbytes) or False)
     prepare_memory(store)
-    parts = sum(record.size for record in store.part_files().values())
+    parts = sum(record.size for entry in store.entries.values() for record in entry.files.values())
     assert asked == [parts] and parts < runtime_bytes(store) / 2

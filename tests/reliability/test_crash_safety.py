@@ -77,7 +77,9 @@ def first_of_each_kind(labels: list[str]) -> list[int]:
 
 def test_compress_killed_at_every_boundary(lab):
     labels = lab.boundaries("compress")
-    assert len(labels) >= 40 and {"lock", "mkdtemp", "write", "before-publish", "published"} <= kinds(labels)
+    # side files and manifest (three boundaries each), one write per pack (three for the lab's one-layer model)
+    assert len(labels) >= 25 and {"lock", "mkdtemp", "write", "before-publish", "published"} <= kinds(labels)
+    assert any(label.startswith("write:pack-") for label in labels), labels
     assert kinds(labels) <= BOUNDARY_KINDS, labels
     records = []
     for n, label in enumerate(labels, 1):
@@ -212,7 +214,7 @@ def test_disk_full_while_compressing(lab, tmp_path):
     assert r["code"] == 1 and "OSError" in result["mro"], result
     # EFBIG; or EINVAL where the writer uses O_DIRECT and the limit cuts an aligned block short (see RELIABILITY.md)
     assert any(m in result["message"] for m in ("File too large", "Invalid argument")), result["message"]
-    assert ".npy" in result["message"], result["message"]  # it names the file it could not write
+    assert ".safetensors" in result["message"], result["message"]  # it names the pack it could not write
     assert not out.exists() and not any(".tmp-" in p.name for p in tmp_path.iterdir())
     assert tree_digest(lab.src) == lab.src_digest
 

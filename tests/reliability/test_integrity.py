@@ -31,10 +31,13 @@ from squishlike.info import verify
 from squishlike.io.checksum import CHECKSUM, FAST, HASHES, file_checksum, file_record
 from squishlike.io.sentinel import IDENTITY, identity
 from squishlike.npydir import NpyDir
-from squishlike.npydir.manifest import part_file
 from squishlike.tiers import ORDER, ordered
 
 lab = lab_fixture()
+
+# The lab's store (one layer, embeddings exact) in format 2: a pack per block, in the order compress adds them.
+LAYER_PACK = "tensors/pack-00001.safetensors"  # layers.0.*
+LAST_PACK = "tensors/pack-00002.safetensors"  # output_norm, output
 
 
 @pytest.fixture
@@ -77,17 +80,14 @@ def test_verify_a_clean_model(lab, built, tmp_path):
     assert verify(built) == []
     assert ready_tiers(built) == {"int4": True, "int8": False, "int3": False, "mlx": True, "finalized": True}
     rc, text = cli(lab, tmp_path, "verify", built)
-    assert rc == 0 and text.strip().startswith(f"{built}: OK (npydir: checked the checksum of every file"), text
+    assert rc == 0 and text.strip().startswith(f"{built}: OK (npydir format 2: checked the checksum of every file"), text
 
 
 # (what is damaged, how, the file the report must name, words the report must contain)
 DAMAGE = [
-    ("store part, bit flip", lambda m: flip(m / "tensors/layers.0.ffn.up.weight__q4.npy", -5),
-     "tensors/layers.0.ffn.up.weight__q4.npy", "differs from the recorded checksum"),
-    ("store part, truncated", lambda m: truncate(m / "tensors/layers.0.attention.q.weight__s4.npy"),
-     "tensors/layers.0.attention.q.weight__s4.npy", "size"),
-    ("store part, missing", lambda m: (m / "tensors/output_norm.weight__pt.npy").unlink(),
-     "tensors/output_norm.weight__pt.npy", "missing"),
+    ("store pack, bit flip", lambda m: flip(m / LAYER_PACK, -5), LAYER_PACK, "differs from the recorded checksum"),
+    ("store pack, truncated", lambda m: truncate(m / LAYER_PACK), LAYER_PACK, "size"),
+    ("store pack, missing", lambda m: (m / LAST_PACK).unlink(), LAST_PACK, "missing"),
     ("side file, bit flip", lambda m: flip(m / "tokenizer.json", 10), "tokenizer.json", "checksum"),
     ("mlx tier data, bit flip", lambda m: flip(m / "squish_weights.safetensors", -3),
      "squish_weights.safetensors", "tier mlx"),
@@ -183,13 +183,13 @@ def test_load_reads_no_tier_whose_size_is_wrong(lab, built):
 
 
 def test_damaged_store_part_fails_with_a_typed_error_naming_it(lab, tmp_path):
-    """The cold path checks each part's .npy header against the role the manifest gives it."""
+    """The cold path checks each pack's header against the layout the manifest gives its parts."""
     model = shutil.copytree(lab.pristine, tmp_path / "model")
-    part = model / "tensors/layers.0.ffn.down.weight__q4.npy"
-    data = bytearray(part.read_bytes())
-    data[:6] = b"\x93NUMPX"  # not a .npy any more
-    part.write_bytes(bytes(data))
-    with pytest.raises(FormatError, match="layers.0.ffn.down.weight__q4.npy"):
+    pack = model / LAYER_PACK
+    data = bytearray(pack.read_bytes())
+    data[8:9] = b"["  # the header is no JSON object any more
+    pack.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=LAYER_PACK):
         load_in_process(model)
     assert not any(ready_tiers(model).values())  # nothing was built from it
 
@@ -203,7 +203,7 @@ def test_damaged_side_file_fails_with_a_typed_error(lab, built):
 
 # ---------------------------------------------------------------------------------------------- which hash checks what
 
-PART = "tensors/layers.0.ffn.up.weight__q4.npy"
+PART = LAYER_PACK
 
 
 def overwrite_two_bytes(path: Path, offset: int = -9) -> None:
@@ -217,9 +217,7 @@ def edit_records(model: Path, edit) -> None:
     """edit(path relative to the store, record) for every file record of the manifest, written back."""
     path = model / "manifest.json"
     manifest = json.loads(path.read_text())
-    records = dict(manifest["side_files"])
-    for entry in manifest["tensors"].values():
-        records.update({part_file(entry["key"], suffix): r for suffix, r in entry["files"].items()})
+    records = {**manifest["side_files"], **manifest["packs"]}
     for rel, record in records.items():
         edit(rel, record)
     path.write_text(json.dumps(manifest))

@@ -53,7 +53,7 @@ def test_a_killed_compress_goes_on_from_its_last_checkpoint(clean, tmp_path, uni
     assert f"going on from {resumed_at} of a killed run" in again.stderr
     assert written(out) == want  # bit for bit what a run never killed writes
     assert not partial.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert not list(out.glob(".resume-*")) and not (out / ".journal.jsonl").exists()
+    assert not list(out.glob(".resume-*")) and not (out / ".journal.json").exists()
     squishlike.load(out)
 
 

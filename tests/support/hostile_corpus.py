@@ -1187,12 +1187,14 @@ def fill(template: str, target: Path, d: Path, base: Base) -> str:
 def build_base(root: Path, tokenizer_dir: Path) -> Base:
     """The valid models the cases start from (a few seconds, once)."""
     from .crash_harness import CRASH_CONFIG, load_in_process
+    from .format1 import as_format_1
     from squishlike.exporter import export
     from .tiny_models import make_hf_model
 
     root.mkdir(parents=True, exist_ok=True)
     hf = make_hf_model(root / "hf", CRASH_CONFIG, tokenizer_dir)
     npydir = _compress(hf, root / "npydir")
+    as_format_1(npydir)  # the cases edit a part's own .npy: format 1's layout (the format-2 packs: test_npydir)
     built = shutil.copytree(npydir, root / "built")
     _, digest = load_in_process(built)
     manifest = export(hf, "ollama", root / "ollama", ollama_name="tiny:latest")

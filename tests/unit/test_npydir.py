@@ -16,6 +16,7 @@ from squishlike import rust_quant
 from squishlike.errors import FormatError
 from squishlike.npydir import SCHEMES, Manifest, NpyDir, Role, read_source
 from squishlike.quant import reference as ref
+from support.fixtures import FORMAT1_STORE
 
 # ---------------------------------------------------------------------------------------------------------------
 # the scheme table
@@ -98,16 +99,18 @@ def test_manifest_round_trip_is_lossless(stores, scheme):
     entry = manifest.tensors["layers.1.attention.q.weight"]
     assert entry.scheme == scheme and entry.error is not None and entry.error.rel_error < 0.5
     assert (entry.group_size is not None) == (scheme != "int8")
-    assert set(manifest.part_files()) == {
-        f"tensors/{e.key}__{suffix}.npy" for e in manifest.tensors.values() for suffix in e.files}
+    assert manifest.format_version == 2
+    assert set(manifest.part_files()) == {r.pack for e in manifest.tensors.values() for r in e.files.values()}
     assert all((stores[scheme] / rel).is_file() for rel in manifest.part_files())
+    # one pack per block: the two layers, and the tensors before and after them
+    assert len(manifest.part_files()) == 4
 
 
 def test_manifest_of_a_store_written_before_xxh3_still_reads(stores):
     """A record without the fast hash is valid and stays without it: the cold path then checks SHA-256."""
     path = stores["int4"] / "manifest.json"
     raw = json.loads(path.read_text())
-    for record in [*raw["side_files"].values(), *(r for e in raw["tensors"].values() for r in e["files"].values())]:
+    for record in [*raw["side_files"].values(), *raw["packs"].values()]:
         assert len(record.pop("xxh3")) == 32
     manifest = Manifest.from_json(raw, path)
     assert manifest.to_json() == raw
@@ -149,12 +152,33 @@ DAMAGE = {
     "int4 scale_dtype unknown": lambda m: _first(m, "int4").update(scale_dtype="int8"),
     "group_size not dividing the columns": lambda m: _first(m, "int4").update(group_size=48),
     "passthrough without stored_dtype": lambda m: _first(m, "passthrough").pop("stored_dtype"),
+    "pack without sha256": lambda m: next(iter(m["packs"].values())).pop("sha256"),
+    "pack xxh3 a number": lambda m: next(iter(m["packs"].values())).update(xxh3=12),
+    "an extra part": lambda m: _first(m, "int4")["files"].update(q3=_first(m, "int4")["files"]["q4"]),
+    "part too small for its shape": lambda m: _first(m, "int4")["files"]["q4"].update(size=1),
+    "part larger than its shape": lambda m: _first(m, "int4")["files"]["q4"].update(
+        size=_first(m, "int4")["files"]["q4"]["size"] + 1),
+    "part size negative": lambda m: _first(m, "int4")["files"]["s4"].update(size=-1),
+    "part at another offset": lambda m: _first(m, "int4")["files"]["s4"].update(
+        offset=_first(m, "int4")["files"]["q4"]["offset"]),
+    "part offset a string": lambda m: _first(m, "int4")["files"]["s4"].update(offset="0"),
+    "part in an unlisted pack": lambda m: _first(m, "int4")["files"]["s4"].update(pack="tensors/pack-09999.safetensors"),
+    "part without its pack": lambda m: _first(m, "int4")["files"]["s4"].pop("pack"),
+    "pack holding no part": lambda m: m["packs"].update({"tensors/pack-09999.safetensors": {"size": 1, "sha256": "0"}}),
+    "pack outside tensors/": lambda m: m["packs"].update({"../pack-00000.safetensors": {"size": 1, "sha256": "0"}}),
+    "pack of another size": lambda m: next(iter(m["packs"].values())).update(size=1 << 20),
+    "packs not a table": lambda m: m.update(packs=[]),
+    "a format version not written yet": lambda m: m.update(format_version=3),
+    "format version a bool": lambda m: m.update(format_version=True),
+    "error stats not an object": lambda m: _first(m, "int4").update(error=0.1),
+}
+
+# Format 1 (one .npy per part), on the store kept from the format-1 writer.
+FORMAT1_DAMAGE = {
     "part without sha256": lambda m: _first(m, "int4")["files"]["q4"].pop("sha256"),
     "part xxh3 a number": lambda m: _first(m, "int4")["files"]["q4"].update(xxh3=12),
     "an extra part": lambda m: _first(m, "int4")["files"].update(q3={"size": 1, "sha256": "0"}),
     "part too small for its shape": lambda m: _first(m, "int4")["files"]["q4"].update(size=1),
-    "part size negative": lambda m: _first(m, "int4")["files"]["s4"].update(size=-1),
-    "error stats not an object": lambda m: _first(m, "int4").update(error=0.1),
 }
 
 
@@ -171,6 +195,17 @@ def test_strict_validation_of_group_wise_int8_entries(stores, damage):
     path = stores["int8g"] / "manifest.json"
     raw = copy.deepcopy(json.loads(path.read_text()))
     INT8G_DAMAGE[damage](_first(raw, "int8g"))
+    with pytest.raises(FormatError, match="manifest.json"):
+        Manifest.from_json(raw, path)
+
+
+@pytest.mark.parametrize("damage", sorted(FORMAT1_DAMAGE))
+def test_strict_validation_of_format_1_names_the_manifest(damage):
+    path = FORMAT1_STORE / "manifest.json"
+    raw = copy.deepcopy(json.loads(path.read_text()))
+    assert raw["format_version"] == 1
+    Manifest.from_json(copy.deepcopy(raw), path)  # as written: valid
+    FORMAT1_DAMAGE[damage](raw)
     with pytest.raises(FormatError, match="manifest.json"):
         Manifest.from_json(raw, path)
 
