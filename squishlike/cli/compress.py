@@ -1,6 +1,7 @@
 """Compress a model (HF safetensors dir, MLX dir, GGUF file, Ollama model, or a Hugging Face repo already in the
 local cache) into an npy-dir that `squishlike.load` opens. Linear weights, embeddings and the output head are
-quantized (INT4: calibrated with AWQ, GPTQ and clip search); norms, biases and outliers stay exact."""
+quantized (INT4: calibrated with AWQ, GPTQ and clip search); norms, biases and outliers stay exact. A killed or
+interrupted compress goes on from its last finished layer when run again with the same arguments."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace an existing npy-dir at OUTPUT (never a directory that is not an npy-dir)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     calib = parser.add_argument_group(
-        "calibration", "these run the source model in float32 on the shipped calibration text"
+        "calibration", "these run the source model in float32 on the shipped calibration text, one layer at a time "
+        "(memory does not grow with depth; on the GPU where there is one)"
     )
     calib.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
                        help="activation-aware per-channel scaling (AWQ), folded into the norms; the stored form "
