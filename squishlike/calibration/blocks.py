@@ -131,9 +131,9 @@ class BlockRunner:
             block = next((i for i, s in enumerate(self.slots) if name.startswith(s.prefix)), None)
             (outside if block is None else self.block_names[block]).append(name)
         self.outside_names = outside
-        # Outside the blocks: embeddings and head stay in their stored dtype (at 7B, 2.2 GB each in float32); the
-        # hidden states they produce are made float32.
-        # The embeddings and the head are needed for the capture pass and for logits only: dropped in between.
+        # Outside the blocks: embeddings and head stay in their stored dtype (at 7B, 2.2 GB each in float32; the
+        # hidden states they produce are made float32), and are needed for the capture pass and for logits only:
+        # dropped in between.
         self.vocabulary = [n for n in outside if n in embedding_weights(model)]
         self._load_outside(outside)
         self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.slots]
