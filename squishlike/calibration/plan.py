@@ -241,12 +241,15 @@ class Calibrator:
         """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
-            norm = runner.module(self.head.module)
-            calib = record_output([norm(h) for h in runner.hidden], self.head, self.picks)
-            self._gptq_inputs([self.head], calib)
+            self._gptq_inputs([self.head], self._head_inputs(runner))
         if self.opts.format == "int3" and self.opts.int3_gate:
             self.plan.reference_ppl = runner.perplexity(runner.hidden)
             self.plan.record["calibration"]["reference_ppl"] = round(self.plan.reference_ppl, 6)
+
+    def _head_inputs(self, runner: BlockRunner) -> Calibration:
+        """The output head's input statistics: the final norm's outputs on the last block's."""
+        norm = runner.module(self.head.module)
+        return record_output([norm(h) for h in runner.hidden], self.head, self.picks)
 
     def _mixed(self, runner: BlockRunner) -> None:
         """A first pass over every block: AWQ's scales (kept for the second pass) and each quantized tensor's
@@ -268,8 +271,7 @@ class Calibrator:
             runner.release(i)
         if self.head is not None and self.source.quantizer_for(self.head.members[0]) is not None:
             name = self.head.members[0]
-            norm = runner.module(self.head.module)
-            calib = record_output([norm(h) for h in runner.hidden], self.head, self.picks)
+            calib = self._head_inputs(runner)
             w = self.source.weight(name)
             shapes[name] = w.shape
             losses[name] = tensor_losses(name, w, calib.samples["head"], self.plan.transform,

@@ -17,7 +17,6 @@ from .blocks import BlockRunner
 
 CALIBRATION_TEXT = "calibration"
 CALIBRATION_WINDOW = DEFAULT_WINDOW  # the gate's windows: the whole calibration text, 1024 tokens at a time
-DEFAULT_SAMPLES = 512  # input rows kept per linear input for the AWQ error search
 
 
 def log(message: str) -> None:
