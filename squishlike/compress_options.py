@@ -27,11 +27,14 @@ EMBEDDINGS_QUANTIZED_BY_DEFAULT = ("int8", "int4")
 CALIBRATED_BY_DEFAULT = ("int4",)
 ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
 QUANTIZED_TIERS = ("int8", "int4", "int3")  # each repacks the codes of a store of its own format
+BPW_WIDTHS = (2, 3, 4, 5, 6, 8)  # the widths a bits-per-weight target chooses among (and exact)
+BPW_RANGE = (2.0, 16.0)
 
 
 @dataclass
 class CompressOptions:
-    format: str = "int8"  # one of FORMATS; with group_size it names the stored scheme (`scheme`)
+    format: str | None = None  # one of FORMATS; with group_size it names the stored scheme (`scheme`). None:
+    # int8, or int4 (the width of tensors a bits-per-weight target does not plan) with bpw
     group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
     quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT formats
@@ -49,9 +52,15 @@ class CompressOptions:
     int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
     calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
     calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
+    # A size target: each quantizable tensor gets the width (BPW_WIDTHS, or exact) that loses least, measured,
+    # within bits per weight as mlx_lm counts them (every stored byte, scales included, over the parameter count).
+    bpw: float | None = None
+    sensitivity_from: str | None = None  # a store of the same source whose measured sensitivities plan this one
 
     def __post_init__(self) -> None:
         self.passthrough = tuple(self.passthrough)
+        if self.format is None:
+            self.format = "int8" if self.bpw is None else "int4"
         if self.quantize_embeddings is None:
             self.quantize_embeddings = self.format in EMBEDDINGS_QUANTIZED_BY_DEFAULT
         for method in ("awq", "gptq", "clip_search"):
@@ -62,7 +71,8 @@ class CompressOptions:
     def calibrates(self) -> bool:
         """Whether compress runs the source model in float32: calibration (AWQ, GPTQ, mixed precision) or the INT3
         accuracy gate."""
-        return bool(self.awq or self.gptq or self.mixed_precision > 0 or (self.format == "int3" and self.int3_gate))
+        return bool(self.awq or self.gptq or self.mixed_precision > 0 or self.bpw is not None
+                    or (self.format == "int3" and self.int3_gate))
 
     @property
     def scheme(self) -> str:
@@ -89,11 +99,26 @@ class CompressOptions:
             raise ValueError(f"dtype={self.dtype!r} is not a float dtype; choose one of {', '.join(NP_STORAGE)}")
         if not 0 <= self.mixed_precision <= 1:
             raise ValueError(f"mixed_precision={self.mixed_precision} is not a fraction in [0, 1]")
+        if self.bpw is not None:
+            self._validate_bpw()
+        elif self.sensitivity_from is not None:
+            raise ValueError("sensitivity_from= plans the widths of a bits-per-weight target; give bpw= too")
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples={self.calibration_samples} must be at least 1")
         unknown = sorted(set(self.tiers or ()) - set(ALL_TIERS))
         if unknown:
             raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")
+
+    def _validate_bpw(self) -> None:
+        if not BPW_RANGE[0] <= self.bpw <= BPW_RANGE[1]:
+            raise ValueError(f"bpw={self.bpw} is out of range; choose a number of bits per weight in "
+                             f"[{BPW_RANGE[0]}, {BPW_RANGE[1]}]")
+        if self.format != "int4" or self.group_size == ROW:
+            raise ValueError(f"bpw={self.bpw} chooses every tensor's width itself (group-wise, groups of "
+                             f"group_size); leave format={self.format!r} and group_size={self.group_size!r} out")
+        if self.mixed_precision > 0:
+            raise ValueError(f"bpw={self.bpw} and mixed_precision={self.mixed_precision} both choose widths; "
+                             "give one of them")
 
     def check_tiers_fit_format(self) -> None:
         """Refuse a quantized tier that this store's format can never feed. The API takes such a policy (the

@@ -7,8 +7,6 @@ nothing that looks like a model. Two runs aimed at one OUT: the second fails at 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import shutil
 import sys
@@ -27,7 +25,7 @@ from .compress_options import CompressOptions, choose_scheme, runtime_dtype, sou
 from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, OutputExistsError, QuantizationError
-from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir
+from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir, source_fingerprint
 from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
 from .provider import WeightProvider
@@ -75,7 +73,7 @@ def compress(
     src: str | Path,
     out: str | Path,
     *,
-    scheme: str = "int8",
+    scheme: str | None = None,
     group_size: int | str = 64,
     passthrough: tuple[str, ...] = (),
     quantize_embeddings: bool | None = None,
@@ -90,13 +88,15 @@ def compress(
     int3_max_ppl_increase: float = 0.08,
     calibration_samples: int = 512,
     calibration_max_tokens: int | None = None,
+    bpw: float | None = None,
+    sensitivity_from: str | Path | None = None,
     format: str | None = None,
 ) -> Path:
     """Compress `src` (HF dir, MLX dir, GGUF file, Ollama model, cached HF repo id) into the npy-dir `out`.
 
     Returns the absolute path of `out`. Options:
 
-    - scheme: the quantization scheme of linear weights, "int8", "int4" or "int3".
+    - scheme: the quantization scheme of linear weights, "int8" (default), "int4" or "int3".
     - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
       the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
@@ -124,6 +124,13 @@ def compress(
     - int3_max_ppl_increase: the gate's bound on the calibration-perplexity increase (0.08: +8 %).
     - calibration_samples: input rows per linear kept for the AWQ error search and the GPTQ Hessians.
     - calibration_max_tokens: use only the first N calibration tokens (None: all).
+    - bpw: a size target in bits per weight (every stored byte, scales and exact tensors included, times 8 over
+      the parameter count: mlx_lm's measure), met within 1 %: each linear, the embedding and the head get the
+      width among 2, 3, 4, 5, 6 and 8 bits (group-wise affine, MLX's packing) or exact that changes its layer's
+      output least on the calibration inputs; calibrated as INT4 is. The measured sensitivities are kept in the
+      manifest.
+    - sensitivity_from: with bpw, a store of the same source (compressed with bpw) whose kept sensitivities plan
+      the widths, instead of measuring them again.
     - format: the old name of `scheme`, still accepted with a DeprecationWarning ("format" names file formats).
 
     Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
@@ -151,6 +158,8 @@ def compress(
         int3_max_ppl_increase=int3_max_ppl_increase,
         calibration_samples=calibration_samples,
         calibration_max_tokens=calibration_max_tokens,
+        bpw=bpw,
+        sensitivity_from=None if sensitivity_from is None else str(sensitivity_from),
     )
     return compress_with_report(src, out, opts).path
 
@@ -457,9 +466,3 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
         extra=opts.extra_manifest,
     )
 
-
-def source_fingerprint(path: Path) -> str:
-    """Names, sizes and mtimes of the source's files: cheap, and changes whenever the source does."""
-    files = sorted(p for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
-    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()

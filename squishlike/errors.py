@@ -99,3 +99,7 @@ class AccuracyGateError(SquishError, RuntimeError):
 
 class UnknownOptionError(SquishError, TypeError):
     """A keyword argument the function does not take (a typo); the message lists the valid ones."""
+
+
+class BudgetError(SquishError, ValueError):
+    """A size target no choice of widths can meet (below the smallest store the model can have)."""

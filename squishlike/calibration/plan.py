@@ -3,6 +3,7 @@ calibration text (`Calibrator`): nothing ever holds the whole model in float32."
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -13,16 +14,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
+from ..compress_options import BPW_WIDTHS, CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from ..config import load_config
-from ..errors import UnsupportedArchitectureError
+from ..errors import FormatError, UnsupportedArchitectureError
+from ..npydir import MANIFEST, NpyDir, source_fingerprint
 from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
+from ..dtypes import NP_STORAGE
 from ..quant.reference import from_float32, to_float32
+from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
 from .blocks import BlockRunner
 from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
-from .mixed import plan_mixed, tensor_losses
+from .mixed import block_losses, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions
 
@@ -33,6 +37,7 @@ class Plan:
 
     transform: Transform = field(default_factory=Transform)
     promote: dict[str, str] = field(default_factory=dict)  # name -> scheme
+    promoted_by: str = "mixed precision"  # what chose the schemes of `promote`, for the manifest's reasons
     reference_ppl: float | None = None
     record: dict[str, Any] = field(default_factory=dict)  # manifest keys
     runtime: str = "float32"  # the store's runtime dtype
@@ -74,7 +79,7 @@ class Plan:
         if scheme != "passthrough" and name in self.promote:
             kept = self.promote[name]
             what = "exact (runtime dtype)" if kept == "passthrough" else f"at {kept}"
-            return kept, f"mixed precision: kept {what} (measured sensitivity)"
+            return kept, f"{self.promoted_by}: kept {what} (measured sensitivity)"
         return scheme, reason
 
 
@@ -85,8 +90,12 @@ class _SourceWeights:
         self.provider, self.opts = provider, opts
         self.shapes = parameter_shapes(model)  # of the unevaluated model: no memory
         self.kinds = weight_kinds(provider, model)
+        self.runtime = runtime
         self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
         self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
+        # What a bits-per-weight target chooses among: each width, group-wise, and exact
+        self.widths = (*(Quantizer(WIDTHS[b], opts.groups, runtime, opts.clip_search) for b in BPW_WIDTHS),
+                       Quantizer("passthrough", opts.groups, runtime))
 
     def weight(self, name: str) -> np.ndarray:
         array = self.provider.get(name)
@@ -99,6 +108,15 @@ class _SourceWeights:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
         scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
         return self.base if scheme == self.opts.scheme else None
+
+    def stored_bytes(self, name: str, dtype: str) -> int:
+        """The bytes `name` takes in the store by compress's rules alone (no width planned for it); `dtype`: the
+        dtype its values come in."""
+        shape = self.shape(name)
+        scheme, _ = choose_scheme(name, shape, self.opts, self.kinds.get(name))
+        if scheme != "passthrough":
+            return Quantizer(scheme, self.opts.groups, self.runtime).nbytes(*rows_cols(shape))
+        return math.prod(shape) * np.dtype(NP_STORAGE.get(dtype, NP_STORAGE[self.runtime])).itemsize
 
 
 class Calibrator:
@@ -126,7 +144,7 @@ class Calibrator:
             warnings.warn(f"AWQ scaling skipped: {self.why_not}")
         if self.why_not and opts.gptq:
             warnings.warn(f"GPTQ of the decoder linears skipped: {self.why_not}")
-        self.head = head_group(provider) if opts.gptq or opts.mixed_precision > 0 else None
+        self.head = head_group(provider) if opts.gptq or opts.mixed_precision > 0 or opts.bpw is not None else None
         self.canonical = {provider.mlx_name(n): n for n in provider.names()}
         self.awq: dict[str, dict] = {}
         self.gptq_tensors: set[str] = set()
@@ -164,7 +182,9 @@ class Calibrator:
         first unit, mixed precision's first pass)."""
         if self.runner is None or self.stopped is not None:
             return
-        if k == 0 and self.opts.mixed_precision > 0:
+        if k == 0 and self.opts.sensitivity_from is not None:
+            self._measured_elsewhere()
+        elif k == 0 and (self.opts.mixed_precision > 0 or self.opts.bpw is not None):
             first = list(self.runner.hidden)
             self._mixed(self.runner)
             self.runner.hidden = first
@@ -233,9 +253,17 @@ class Calibrator:
     def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration) -> None:
         for g in groups:
             for m in g.members:
-                if (qz := self.source.quantizer_for(m)) is not None:
+                if (qz := self._gptq_quantizer(m)) is not None:
                     self.plan.inputs[m], self.plan.quantizers[m] = (g.name, calib.samples[g.name]), qz
                     self.gptq_tensors.add(m)
+
+    def _gptq_quantizer(self, name: str) -> Quantizer | None:
+        """The quantizer GPTQ rounds `name` with: the store's, or the group-wise width planned for it."""
+        qz = self.source.quantizer_for(name)
+        planned = self.plan.promote.get(name)
+        if qz is None or planned is None:
+            return qz
+        return Quantizer(planned, qz.group_size, qz.scale_dtype, qz.clip_search) if SCHEMES[planned].grouped else None
 
     def _tail(self, runner: BlockRunner) -> None:
         """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
@@ -253,47 +281,107 @@ class Calibrator:
 
     def _mixed(self, runner: BlockRunner) -> None:
         """A first pass over every block: AWQ's scales (kept for the second pass) and each quantized tensor's
-        sensitivity, then the choice of the tensors kept at higher precision."""
+        sensitivity at every width it may take (mixed.py); then the widths: mixed precision's promotions, or a
+        bits-per-weight target's plan."""
         started = time.perf_counter()
-        losses: dict[str, tuple[float, float]] = {}
+        quantizers = self.source.widths if self.opts.bpw is not None else (self.source.base, self.source.high)
+        losses: dict[str, tuple[float, ...]] = {}
         shapes: dict[str, tuple[int, int]] = {}
         for i in range(len(runner)):
-            candidates = self._candidates(runner.block_names[i])
-            groups = [*self._block_groups(i), *candidates.values()]
             runner.load(i)
-            calib, runner.hidden = record(runner, i, groups, self.picks)
+            inputs = runner.hidden
+            calib, runner.hidden = record(runner, i, self._block_groups(i), self.picks)
             self._search_awq(self._block_groups(i), calib)
-            for name, g in candidates.items():
+            for mlx_name, name in self._candidates(runner.block_names[i]):
                 w = self.source.weight(name)
                 shapes[name] = w.shape
-                losses[name] = tensor_losses(name, w, calib.samples[g.name], self.plan.transform,
-                                             (self.source.base, self.source.high))
+                losses[name] = block_losses(runner, i, mlx_name, name, w, inputs, runner.hidden,
+                                            self.plan.transform, quantizers)
             runner.release(i)
+        self._measure_vocabulary(runner, quantizers, losses, shapes)
+        self.plan.record["awq_from_first_pass"] = bool(self.awq)
+        if self.opts.bpw is not None:
+            self._plan_widths(shapes, [q.scheme for q in quantizers], losses)
+        else:
+            chosen, report = plan_mixed(losses, shapes, self.source.base, self.source.high, self.opts.mixed_precision)
+            self.plan.promote = {n: self.source.high.scheme for n in chosen}
+            self.plan.record["mixed_precision"] = report
+            log(f"mixed precision: {len(chosen)} of {len(losses)} tensors kept as {self.source.high.scheme} "
+                f"(+{report['extra_bytes'] / 1e6:.2f} MB)")
+        log(f"sensitivities measured in {time.perf_counter() - started:.1f} s")
+
+    def _measure_vocabulary(self, runner: BlockRunner, quantizers, losses: dict, shapes: dict) -> None:
+        """The sensitivities of the output head (on its logits) and of the token embedding (on the rows the
+        calibration text looks up); a tied pair is one tensor, whose losses add."""
+        measured: dict[str, list[tuple[float, ...]]] = {}
         if self.head is not None and self.source.quantizer_for(self.head.members[0]) is not None:
             name = self.head.members[0]
-            calib = self._head_inputs(runner)
+            x = self._head_inputs(runner).samples["head"]
+            measured[name] = [tensor_losses(name, self.source.weight(name), x, self.plan.transform, quantizers)]
+        name = "token_embedding.weight"
+        if self.provider.has(name) and self.source.quantizer_for(name) is not None \
+                and len(self.source.shape(name)) == 2:
             w = self.source.weight(name)
-            shapes[name] = w.shape
-            losses[name] = tensor_losses(name, w, calib.samples["head"], self.plan.transform,
-                                         (self.source.base, self.source.high))
-        self.plan.record["awq_from_first_pass"] = bool(self.awq)
-        chosen, report = plan_mixed(losses, shapes, self.source.base, self.source.high, self.opts.mixed_precision)
-        self.plan.promote = {n: self.source.high.scheme for n in chosen}
-        self.plan.record["mixed_precision"] = report
-        log(f"mixed precision: {len(chosen)} of {len(losses)} tensors kept as {self.source.high.scheme} "
-            f"(+{report['extra_bytes'] / 1e6:.2f} MB), {time.perf_counter() - started:.1f} s")
+            counts = np.bincount([t for win in self.windows for t in win.tokens[:-1]], minlength=w.shape[0])
+            measured.setdefault(name, []).append(lookup_losses(name, w, counts, self.plan.transform, quantizers))
+        for name, parts in measured.items():
+            shapes[name] = rows_cols(self.source.shape(name))
+            losses[name] = tuple(map(sum, zip(*parts)))
 
-    def _candidates(self, block_names: list[str]) -> dict[str, ScaleGroup]:
-        """The block's 2-D weights the store quantizes with its scheme, as one-linear groups recording inputs."""
-        found = {}
+    def _plan_widths(self, shapes: dict[str, tuple[int, int]], schemes: list[str],
+                     losses: dict[str, tuple[float, ...]]) -> None:
+        """Every measured tensor's width for the bits-per-weight target, into the plan and the manifest:
+        `losses` has, for each tensor of `shapes`, its loss with each of `schemes`."""
+        quantizers = [Quantizer(s, self.opts.groups, self.plan.runtime, self.opts.clip_search) for s in schemes]
+        choices = tensor_choices(losses, shapes, quantizers)
+        infos = self.provider.reader.tensors()
+        params = sum(math.prod(self.source.shape(n)) for n in self.canonical.values())
+        fixed = sum(self.source.stored_bytes(n, infos[self.provider.source_name(n)].dtype)
+                    for n in self.canonical.values() if n not in choices)
+        report = plan_widths(choices, int(self.opts.bpw * params / 8) - fixed, params, fixed, losses)
+        report["target_bpw"] = self.opts.bpw
+        self.plan.promote = dict(report["schemes"])
+        self.plan.promoted_by = f"a target of {self.opts.bpw} bits per weight"
+        self.plan.record["bpw"] = report
+        log(f"bits per weight: {report['planned_bpw']} planned for a target of {self.opts.bpw} "
+            f"({', '.join(f'{n} {s}' for s, n in sorted(report['counts'].items()))})")
+
+    def _measured_elsewhere(self) -> None:
+        """The widths planned from the sensitivities a store of the same source kept (`sensitivity_from`)."""
+        store = NpyDir(self.opts.sensitivity_from)
+        where = store.path / MANIFEST
+        if store.manifest.source.fingerprint != source_fingerprint(Path(self.provider.reader.path)):
+            raise ValueError(f"{where}: its sensitivities were measured on another source (or the source has "
+                             f"changed since): compress without sensitivity_from")
+        kept = store.manifest.extra.get("bpw", {}).get("sensitivity")
+        if not isinstance(kept, dict) or not kept:
+            raise ValueError(f"{where}: keeps no sensitivities (it was not compressed with bpw)")
+        shapes, losses, schemes = {}, {}, None
+        try:
+            for name, entry in kept.items():
+                shapes[name] = rows_cols(self.source.shape(name))
+                if self.source.quantizer_for(name) is None:
+                    raise ValueError(f"{where}: its sensitivities were measured with other options ({name} is "
+                                     "not quantized with these): compress without sensitivity_from")
+                losses[name] = tuple(float(v) for v in entry["losses"])
+                schemes = schemes or list(entry["schemes"])
+                if list(entry["schemes"]) != schemes or len(losses[name]) != len(schemes):
+                    raise TypeError(f"{name}'s record differs from the others'")
+        except (KeyError, TypeError) as e:
+            raise FormatError(where, f"bad sensitivity record ({type(e).__name__}: {e})") from None
+        if any(s not in SCHEMES for s in schemes):
+            raise FormatError(where, f"sensitivities name unknown schemes {schemes}")
+        self._plan_widths(shapes, schemes, losses)
+        self.plan.record["bpw"]["measured_in"] = str(store.path)
+
+    def _candidates(self, block_names: list[str]) -> list[tuple[str, str]]:
+        """The block's 2-D weights the store quantizes with its scheme: (mlx name, canonical name)."""
+        found = []
         for mlx in block_names:
             name = self.canonical[mlx]
-            if not mlx.endswith(".weight") or self.source.quantizer_for(name) is None:
-                continue
-            if len(self.source.shape(name)) != 2:
-                continue
-            module = mlx.removesuffix(".weight")
-            found[name] = ScaleGroup(name, "tensor", -1, module, (name,), ())
+            if mlx.endswith(".weight") and self.source.quantizer_for(name) is not None \
+                    and len(self.source.shape(name)) == 2:
+                found.append((mlx, name))
         return found
 
     def manifest(self) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
     parser.add_argument("-o", "--output", required=True, type=Path,
                         help="output npy-dir (must not exist or be empty)")
-    parser.add_argument("--format", choices=FORMATS, default="int8", help="scheme for linear weights")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="scheme for linear weights (default: int8; with --bpw each tensor's is chosen)")
     parser.add_argument("--group-size", type=_group_size, default=64,
                         help="elements per scale along the input axis: 32, 64 (default) or 128 (int8, int4); "
                         "int8 also takes 'row', the per-row symmetric form")
@@ -71,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep the most sensitive tensors (measured) at more bits: at INT8 in an INT4/INT3 "
                        "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "
                        "the quantized tensors take (e.g. 0.1)")
+    calib.add_argument("--bpw", type=float, default=None, metavar="BITS",
+                       help="a size target in bits per weight (what mlx_lm counts: every stored byte, scales "
+                       "included, times 8 over the parameter count), e.g. 3.5: each linear, the embedding and the "
+                       "head get the width among 2, 3, 4, 5, 6, 8 bits (or exact) that changes its layer's output "
+                       "least, measured, within the target")
+    calib.add_argument("--sensitivity-from", default=None, metavar="STORE",
+                       help="with --bpw: plan the widths from the sensitivities a store of the same source measured "
+                       "(its manifest keeps them) instead of measuring again: another size in a fraction of the time")
     calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
                        help="INT3 accuracy gate: the store is written only if calibration perplexity rises by at "
                        "most F (a fraction: 0.08 is +8%%)")

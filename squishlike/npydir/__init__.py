@@ -29,6 +29,7 @@ from .manifest import (
     decode_key,
     encode_key,
     part_file,
+    source_fingerprint,
 )
 from .reader import TOKENIZER_FACTS, UNRECORDED, NpyDir, is_npydir, read_source
 from .writer import NpyDirWriter
@@ -37,6 +38,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "source_fingerprint",
     "TENSORS",
     "TOKENIZER_FACTS",
     "UNRECORDED",

@@ -9,6 +9,8 @@ ask for a part no file could hold, or mix a scheme with another scheme's parts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -431,3 +433,10 @@ def check_packs(tensors: dict[str, TensorEntry], packs: dict[str, FileRecord]) -
                                  f"which lays it out at {expected}")
         if packs[rel].size != size:
             raise ValueError(f"pack {rel!r} is recorded as {packs[rel].size} bytes; its parts lay out as {size}")
+
+
+def source_fingerprint(path: Path) -> str:
+    """Names, sizes and mtimes of the source's files: cheap, and changes whenever the source does."""
+    files = sorted(p for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
