@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .dtypes import NP_STORAGE
 from .provider import WeightProvider
-from .quant.schemes import SCHEMES
+from .quant.schemes import SCHEMES, WIDTHS
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -34,6 +34,9 @@ class CompressOptions:
     format: str = "int8"  # one of FORMATS; with group_size it names the stored scheme (`scheme`)
     group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
+    # (fnmatch pattern of canonical names, bits in WIDTHS) rules, the first that matches a tensor the store quantizes
+    # anyway giving its width (mlx_lm-style mixed recipes: ("*.ffn.down.*", 6), ("layers.1[0-9].*", 3))
+    bits: tuple[tuple[str, int], ...] = ()
     quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT formats
     clip_search: bool | None = None  # None: on for CALIBRATED_BY_DEFAULT formats (as awq and gptq)
     dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
@@ -52,6 +55,7 @@ class CompressOptions:
 
     def __post_init__(self) -> None:
         self.passthrough = tuple(self.passthrough)
+        self.bits = tuple(tuple(rule) if isinstance(rule, list) else rule for rule in self.bits)  # JSON's lists
         if self.quantize_embeddings is None:
             self.quantize_embeddings = self.format in EMBEDDINGS_QUANTIZED_BY_DEFAULT
         for method in ("awq", "gptq", "clip_search"):
@@ -85,6 +89,7 @@ class CompressOptions:
                 f"group_size={self.group_size} is not valid for {self.format}; "
                 f"choose one of {', '.join(map(str, GROUP_SIZES[self.format]))}"
             )
+        self._validate_bits()
         if self.dtype is not None and self.dtype not in NP_STORAGE:
             raise ValueError(f"dtype={self.dtype!r} is not a float dtype; choose one of {', '.join(NP_STORAGE)}")
         if not 0 <= self.mixed_precision <= 1:
@@ -94,6 +99,25 @@ class CompressOptions:
         unknown = sorted(set(self.tiers or ()) - set(ALL_TIERS))
         if unknown:
             raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")
+
+    def _validate_bits(self) -> None:
+        """Each `bits` rule: a pattern and a width of WIDTHS whose scheme takes the store's group size (all the
+        widths of a store share it). Messages name a rule as `bits=PATTERN=N`, the CLI's spelling."""
+        for rule in self.bits:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and type(rule[1]) is int):
+                raise ValueError(f"bits= holds {rule!r}, not a (pattern, bits) pair")
+            pattern, bits = rule
+            if bits not in WIDTHS:
+                raise ValueError(f"bits={pattern}={bits} is not a width; choose bits from "
+                                 f"{', '.join(map(str, WIDTHS))}")
+            allowed = SCHEMES[WIDTHS[bits]].group_sizes
+            if self.group_size not in allowed:
+                raise ValueError(f"bits={pattern}={bits} needs group_size={self.group_size} to be one of "
+                                 f"{', '.join(map(str, allowed))}")
+
+    def width(self, name: str) -> tuple[str, int] | None:
+        """The first `bits` rule whose pattern matches canonical tensor `name`, or None."""
+        return next((rule for rule in self.bits if fnmatch.fnmatchcase(name, rule[0])), None)
 
     def check_tiers_fit_format(self) -> None:
         """Refuse a quantized tier that this store's format can never feed. The API takes such a policy (the
@@ -140,4 +164,6 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
     cols = shape[-1]
     if opts.groups and cols % opts.groups:
         return "passthrough", f"{cols} columns do not split into groups of {opts.group_size}"
+    if kind != "int8" and (rule := opts.width(name)) is not None:  # the model's 8-bit wish above a rule's width
+        return WIDTHS[rule[1]], f"matches --bits {rule[0]}={rule[1]}"
     return opts.scheme, "linear weight"

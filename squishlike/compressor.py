@@ -80,6 +80,7 @@ def compress(
     scheme: str = "int8",
     group_size: int | str = 64,
     passthrough: tuple[str, ...] = (),
+    bits: tuple[tuple[str, int], ...] = (),
     quantize_embeddings: bool | None = None,
     clip_search: bool | None = None,
     dtype: str | None = None,
@@ -102,6 +103,8 @@ def compress(
     - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
       the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
+    - bits: (fnmatch pattern of canonical names, bits) rules: a tensor the store quantizes takes the width of the
+      first rule it matches, 2, 3, 4, 5, 6 or 8 (group-wise, at group_size), e.g. (("*.ffn.down.*", 6), ("*", 3)).
     - quantize_embeddings: quantize the token embedding and lm_head too, with the linears' scheme (as
       mlx_lm.convert -q does); False keeps them exact (about 2x the bytes of an INT4 store of a small model).
       None: on for int8 and int4, off for int3.
@@ -141,6 +144,7 @@ def compress(
         format=scheme,
         group_size=group_size,
         passthrough=passthrough,
+        bits=bits,
         quantize_embeddings=quantize_embeddings,
         clip_search=clip_search,
         dtype=dtype,
@@ -446,6 +450,8 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
     """The side files' records and the manifest: the store complete."""
     writer.add_side_files(written + tokenizer_files.result())
     schemes = {e.scheme for e in writer.tensors.values()}
+    if any(SCHEMES[s].grouped for s in schemes):  # its format's tier holds a mixed store's every width
+        schemes.add(opts.scheme)
     tiers = opts.tiers if opts.tiers is not None else ("mlx", *[t for s, t in QUANTIZED_TIERS.items() if s in schemes])
     source = Path(provider.reader.path)
     writer.write_manifest(
