@@ -26,7 +26,14 @@ EMBEDDINGS_QUANTIZED_BY_DEFAULT = ("int8", "int4")
 # mlx_lm.convert -q --q-bits 4, 0.42x its mean KL on SmolLM2 (benchmarks/README.md). INT8 needs none of them.
 CALIBRATED_BY_DEFAULT = ("int4",)
 ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
-QUANTIZED_TIERS = ("int8", "int4", "int3")  # each repacks the codes of a store of its own format
+# The cache tier that holds each quantized scheme natively (every group-wise tensor of a store of that format or
+# holding that scheme, at its own width); a store's default policy is mlx plus these (default_tiers).
+NATIVE_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
+QUANTIZED_TIERS = tuple(NATIVE_TIERS.values())
+# A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
+# About twice the largest error of SmolLM2's tensors at that width (groups of 64; int5 0.055, int6 0.027); 2 bits
+# err 0.37-0.55 on every tensor, so its limit only catches a tensor rounded worse than zeroing it nearly would.
+ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int6": 0.06, "int5": 0.12, "int4": 0.25, "int3": 0.45, "int2": 0.9}
 
 
 @dataclass
@@ -126,6 +133,15 @@ class CompressOptions:
             if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
                 raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
                                  f"format={self.format}; leave {tier} out of tiers= or compress with format={tier}")
+
+
+def default_tiers(opts: CompressOptions, schemes: set[str]) -> tuple[str, ...]:
+    """The cache policy of a store holding `schemes` without `tiers=`: mlx and the native tier of each scheme it
+    holds and, when it holds any group-wise tensor, of its format (a mixed store's tensors may all have other
+    widths)."""
+    if any(SCHEMES[s].grouped for s in schemes):
+        schemes = {*schemes, opts.scheme}
+    return ("mlx", *[tier for scheme, tier in NATIVE_TIERS.items() if scheme in schemes])
 
 
 def runtime_dtype(provider: WeightProvider) -> str:

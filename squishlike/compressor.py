@@ -23,7 +23,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import quant
-from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
+from .compress_options import (ERROR_LIMITS, CompressOptions, choose_scheme, default_tiers, runtime_dtype,
+                               source_dtype, weight_kinds)
 from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, OutputExistsError, QuantizationError
@@ -37,12 +38,6 @@ from .io.fault import fault_point
 from .io.lock import exclusive
 from .options import checks_options
 
-# A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
-# About twice the largest error of SmolLM2's tensors at that width (groups of 64; int5 0.055, int6 0.027); 2 bits
-# err 0.37-0.55 on every tensor, so its limit only catches a tensor rounded worse than zeroing it nearly would.
-ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int6": 0.06, "int5": 0.12, "int4": 0.25, "int3": 0.45, "int2": 0.9}
-# The cache tier that holds each quantized scheme natively; a store's default policy is mlx plus these.
-QUANTIZED_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
 
 
@@ -449,10 +444,7 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
                   tokenizer_files: Future) -> None:
     """The side files' records and the manifest: the store complete."""
     writer.add_side_files(written + tokenizer_files.result())
-    schemes = {e.scheme for e in writer.tensors.values()}
-    if any(SCHEMES[s].grouped for s in schemes):  # its format's tier holds a mixed store's every width
-        schemes.add(opts.scheme)
-    tiers = opts.tiers if opts.tiers is not None else ("mlx", *[t for s, t in QUANTIZED_TIERS.items() if s in schemes])
+    tiers = opts.tiers if opts.tiers is not None else default_tiers(opts, {e.scheme for e in writer.tensors.values()})
     source = Path(provider.reader.path)
     writer.write_manifest(
         model_type=provider.config.model_type,

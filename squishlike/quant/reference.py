@@ -16,6 +16,7 @@ Conventions shared by every function here and in `squishlike.quant`:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -395,14 +396,8 @@ def unpack_bits(packed: np.ndarray, cols: int, bits: int) -> np.ndarray:
     return q.reshape(rows, cols).astype(np.uint8)
 
 
-def pack_int3(q: np.ndarray) -> np.ndarray:
-    """uint8 values 0..7 [r, c] -> uint32 [r, c*3//32] in mx.quantize(bits=3)'s bitstream layout."""
-    return pack_bits(q, 3)
-
-
-def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
-    """uint32 [r, cols*3//32] in mx.quantize(bits=3)'s layout -> uint8 values 0..7 [r, cols]."""
-    return unpack_bits(packed, cols, 3)
+pack_int3 = functools.partial(pack_bits, bits=3)  # (q) -> packed, as squishlike.quant.pack_int3
+unpack_int3 = functools.partial(unpack_bits, bits=3)  # (packed, cols) -> q
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -455,13 +450,10 @@ def grouped_functions(
     return quantize, dequantize
 
 
-def _bitstream(bits: int) -> tuple[Callable[..., np.ndarray], Callable[..., np.ndarray]]:
-    return (lambda q: pack_bits(q, bits)), (lambda packed: unpack_bits(packed, packed.shape[-1] * 32 // bits, bits))
-
-
 _PACKING = {  # scheme -> (codes [r, c] -> packed, packed -> codes)
     "int4": (pack_int4, unpack_int4),
-    **{f"int{b}": _bitstream(b) for b in BITSTREAM_BITS},
+    **{f"int{b}": (functools.partial(pack_bits, bits=b), lambda p, b=b: unpack_bits(p, p.shape[-1] * 32 // b, b))
+       for b in BITSTREAM_BITS},
     "int8g": (_int8g_codes, _int8g_codes),
 }
 
