@@ -376,6 +376,14 @@ class Manifest:
     def schemes(self) -> set[str]:
         return {e.scheme for e in self.tensors.values()}
 
+    def bits_per_weight(self) -> float:
+        """The store's real bits per weight, as mlx_lm's compute_bits_per_weight counts a model's: the bytes of every
+        stored part (codes, scales and offsets, exact tensors) times 8, over the parameters (each tensor's elements,
+        a quantized one's by its dense shape). 0.0 for a store without tensors."""
+        parts = [e.part_spec(suffix) for e in self.tensors.values() for suffix in e.kind.suffixes]
+        parameters = sum(math.prod(e.shape) for e in self.tensors.values())
+        return 8 * sum(math.prod(shape) * dtype.itemsize for dtype, shape in parts) / parameters if parameters else 0.0
+
     @property
     def int3_passed(self) -> bool:
         return bool(self.int3_gate and self.int3_gate.get("passed", False))
