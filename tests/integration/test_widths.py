@@ -22,7 +22,7 @@ from squishlike.compress_options import CompressOptions, choose_scheme
 from squishlike.cpu_layers import CpuQuantizedLinear, use_cpu_kernels
 from squishlike.exporter import export
 from squishlike.info import inspect_model
-from squishlike.npydir import NpyDir
+from squishlike.npydir import NpyDir, bits_per_weight
 from squishlike.sharded import sharded_load
 from squishlike.tiers import order
 
@@ -161,6 +161,7 @@ def test_inspect_shows_widths_and_bits_per_weight(mixed):
     parameters = sum(int(np.prod(entry.shape)) for entry in store.entries.values())
     report = inspect_model(mixed)["store"]
     assert report["bits_per_weight"] == store.manifest.bits_per_weight() == 8 * on_disk / parameters
+    assert bits_per_weight(store.entries.values()) == report["bits_per_weight"]  # the helper, for any entries
     assert report["widths"] == {"passthrough": 5, "int8g": 2, "int6": 2, "int5": 2, "int4": 6, "int3": 2, "int2": 2}
 
 
