@@ -1,5 +1,5 @@
-"""Dequantization throughput of the Rust kernels: per-row INT8, group-wise INT8 and INT4 -> bfloat16 (groups of 64,
-bf16 scales).
+"""Dequantization throughput of the Rust kernels: per-row INT8, and group-wise INT8, INT4 and the bitstream widths
+(INT2, INT3, INT5, INT6) -> bfloat16 (groups of 64, bf16 scales).
 
 Measured in GB/s of output, in one run, against
 - a plain copy (np.copyto) of the same output bytes into memory that is already touched: the memory-speed ceiling;
@@ -19,6 +19,7 @@ the output says so.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -30,12 +31,13 @@ import numpy as np
 
 import squishlike.quant as rq
 import squishlike.quant.reference as ref
+from squishlike.quant.schemes import SCHEMES as SCHEMES_TABLE
 
 GROUP = 64
 LLAMA_7B_LAYER = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]  # q k v o gate up down
 TARGET_VS_COPY, TARGET_VS_NUMPY = 0.7, 20.0
-SCHEMES = ("int8", "int8g", "int4")
-LABELS = {"int8": "int8 -> bf16", "int8g": f"int8g -> bf16 (g{GROUP})", "int4": f"int4 -> bf16 (g{GROUP})"}
+SCHEMES = ("int8", "int8g", "int4", "int3", "int2", "int5", "int6")
+LABELS = {scheme: f"{scheme} -> bf16{'' if scheme == 'int8' else f' (g{GROUP})'}" for scheme in SCHEMES}
 
 
 def group_params(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,49 +48,36 @@ def group_params(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.nda
 
 
 class Workload:
-    """Random INT8, group-wise INT8 and INT4 stores for a list of matrix shapes, plus touched bf16 output and
-    copy-source buffers."""
+    """Random stores of every scheme in `schemes` for a list of matrix shapes (random codes, scales and biases),
+    plus touched bf16 output and copy-source buffers."""
 
-    def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int = 0):
+    def __init__(self, name: str, shapes: list[tuple[int, int]], schemes: tuple[str, ...] = SCHEMES, seed: int = 0):
         rng = np.random.default_rng(seed)
         self.name, self.shapes = name, shapes
         self.out_bytes = sum(r * c * 2 for r, c in shapes)
-        self.int8 = [
-            (rng.integers(-127, 128, (r, c), dtype=np.int8), rng.random(r, dtype=np.float32) * np.float32(0.01))
-            for r, c in shapes
-        ]
-        self.int8g = [(rng.integers(0, 256, (r, c), dtype=np.uint8), *group_params(rng, r, c)) for r, c in shapes]
-        self.int4 = [(rng.integers(0, 256, (r, c // 2), dtype=np.uint8), *group_params(rng, r, c)) for r, c in shapes]
+        self.parts = {scheme: [self._parts(rng, scheme, r, c) for r, c in shapes] for scheme in schemes}
         self.out = [np.ones((r, c), np.uint16) for r, c in shapes]  # np.ones touches every page
         self.src = [np.full((r, c), 7, np.uint16) for r, c in shapes]
+
+    @staticmethod
+    def _parts(rng: np.random.Generator, scheme: str, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+        if scheme == "int8":
+            return rng.integers(-127, 128, (rows, cols), dtype=np.int8), rng.random(rows, dtype=np.float32) * np.float32(0.01)
+        kind = SCHEMES_TABLE[scheme]
+        words = rng.integers(0, np.iinfo(kind.word).max, (rows, kind.packed_cols(cols)), dtype=kind.word,
+                             endpoint=True)
+        return words, *group_params(rng, rows, cols)
 
     def copy(self, k: int | None = None) -> None:
         for dst, src in zip(self.out[:k], self.src[:k]):
             np.copyto(dst, src)
 
-    def rust_int8(self) -> None:
-        for (q, s), out in zip(self.int8, self.out):
-            rq.dequantize_int8(q, s, out_dtype="bfloat16", out=out)
-
-    def rust_int8g(self) -> None:
-        for (p, s, z), out in zip(self.int8g, self.out):
-            rq.dequantize_int8g(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
-
-    def rust_int4(self) -> None:
-        for (p, s, z), out in zip(self.int4, self.out):
-            rq.dequantize_int4(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
-
-    def numpy_int8(self, k: int) -> None:
-        for (q, s), out in zip(self.int8[:k], self.out[:k]):
-            ref.dequantize_int8(q, s, out_dtype="bfloat16", out=out)
-
-    def numpy_int8g(self, k: int) -> None:
-        for (p, s, z), out in zip(self.int8g[:k], self.out[:k]):
-            ref.dequantize_int8g(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
-
-    def numpy_int4(self, k: int) -> None:
-        for (p, s, z), out in zip(self.int4[:k], self.out[:k]):
-            ref.dequantize_int4(p, s, z, group_size=GROUP, scale_dtype="bfloat16", out_dtype="bfloat16", out=out)
+    def dequantize(self, module, scheme: str, k: int | None = None) -> None:
+        """Every matrix (or the first k) of `scheme` dequantized by `module`: the Rust kernels or the NumPy spec."""
+        grouped = {} if scheme == "int8" else {"group_size": GROUP, "scale_dtype": "bfloat16"}
+        name = f"dequantize_{scheme}"
+        for parts, out in zip(self.parts[scheme][:k], self.out[:k]):
+            getattr(module, name)(*parts, out_dtype="bfloat16", out=out, **grouped)
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -99,7 +88,8 @@ def timed(fn: Callable[[], None]) -> float:
 
 def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int) -> dict:
     """Median GB/s of every method on one workload, the methods interleaved within each repeat."""
-    methods = {"copy": work.copy, **{scheme: getattr(work, f"rust_{scheme}") for scheme in SCHEMES}}
+    schemes = tuple(work.parts)
+    methods = {"copy": work.copy, **{scheme: functools.partial(work.dequantize, rq, scheme) for scheme in schemes}}
     for fn in methods.values():  # warm-up: thread pool, caches, lazy imports
         fn()
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -111,9 +101,9 @@ def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int)
     k = min(numpy_matrices, len(work.shapes))
     numpy_bytes = sum(r * c * 2 for r, c in work.shapes[:k])
     numpy_gbps = {}
-    for scheme in SCHEMES:
-        fn = getattr(work, f"numpy_{scheme}")
-        numpy_gbps[scheme] = numpy_bytes / 1e9 / statistics.median(timed(lambda: fn(k)) for _ in range(numpy_repeats))
+    for scheme in schemes:
+        run = functools.partial(work.dequantize, ref, scheme, k)
+        numpy_gbps[scheme] = numpy_bytes / 1e9 / statistics.median(timed(run) for _ in range(numpy_repeats))
     return {
         "workload": work.name,
         "matrices": len(work.shapes),
@@ -129,7 +119,7 @@ def bench(work: Workload, repeats: int, numpy_repeats: int, numpy_matrices: int)
                 "meets_targets": gbps[scheme] >= TARGET_VS_COPY * gbps["copy"]
                 and gbps[scheme] >= TARGET_VS_NUMPY * numpy_gbps[scheme],
             }
-            for scheme in SCHEMES
+            for scheme in schemes
         },
     }
 
@@ -151,7 +141,7 @@ def print_table(results: list[dict], machine: dict) -> None:
     for r in results:
         name = f"{r['workload']} ({r['output_bytes'] / 1e9:.2f} GB)"
         print(f"{name:<34} {'np.copyto':<26} {r['copy_gbps']:7.2f} {1:8.2f} {'':>9}")
-        for scheme in SCHEMES:
+        for scheme in [s for s in SCHEMES if s in r]:
             s, label = r[scheme], LABELS[scheme]
             print(f"{'':<34} {'rust ' + label:<26} {s['gbps']:7.2f} {s['vs_copy']:8.2f} {s['vs_numpy']:9.1f}")
             print(f"{'':<34} {'numpy ' + label:<26} {s['numpy_gbps']:7.2f} {s['numpy_gbps'] / r['copy_gbps']:8.2f}")
@@ -161,7 +151,7 @@ def print_table(results: list[dict], machine: dict) -> None:
                   f"{sub['output_bytes'] / 1e9:.2f} GB, and taken as the set's throughput)")
     print()
     for r in results:
-        for scheme in SCHEMES:
+        for scheme in [s for s in SCHEMES if s in r]:
             s = r[scheme]
             print(f"{'ok  ' if s['meets_targets'] else 'MISS'} {r['workload']:<22} {scheme}: {s['vs_copy']:.2f}x copy "
                   f"(target >= {TARGET_VS_COPY}), {s['vs_numpy']:.0f}x NumPy (target >= {TARGET_VS_NUMPY:.0f})")
@@ -173,6 +163,8 @@ def main() -> None:
     parser.add_argument("--numpy-repeats", type=int, default=3)
     parser.add_argument("--model-bytes", type=float, default=1e9, help="output bytes of the model-sized set")
     parser.add_argument("--numpy-matrices", type=int, default=2, help="matrices of the set the NumPy reference runs")
+    parser.add_argument("--schemes", type=lambda text: tuple(text.split(",")), default=SCHEMES,
+                        help=f"comma-separated, from {','.join(SCHEMES)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
 
@@ -184,7 +176,8 @@ def main() -> None:
     }
     results = []
     for name, shapes in (("4096x11008", [(4096, 11008)]), ("llama-7b-shaped set", model_shapes(args.model_bytes))):
-        results.append(bench(Workload(name, shapes), args.repeats, args.numpy_repeats, args.numpy_matrices))
+        work = Workload(name, shapes, args.schemes)
+        results.append(bench(work, args.repeats, args.numpy_repeats, args.numpy_matrices))
     if args.json:
         print(json.dumps({"machine": machine, "results": results}, indent=2))
     else:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .dtypes import NP_STORAGE
 from .provider import WeightProvider
-from .quant.schemes import SCHEMES
+from .quant.schemes import SCHEMES, WIDTHS
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -26,8 +26,14 @@ EMBEDDINGS_QUANTIZED_BY_DEFAULT = ("int8", "int4")
 # mlx_lm.convert -q --q-bits 4, 0.42x its mean KL on SmolLM2 (benchmarks/README.md). INT8 needs none of them.
 CALIBRATED_BY_DEFAULT = ("int4",)
 ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
-QUANTIZED_TIERS = ("int8", "int4", "int3")  # each repacks the codes of a store of its own format
-BPW_WIDTHS = (2, 3, 4, 5, 6, 8)  # the widths a bits-per-weight target chooses among (and exact)
+# The cache tier that holds each quantized scheme natively (every group-wise tensor of a store of that format or
+# holding that scheme, at its own width); a store's default policy is mlx plus these (default_tiers).
+NATIVE_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
+QUANTIZED_TIERS = tuple(NATIVE_TIERS.values())
+# A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
+# About twice the largest error of SmolLM2's tensors at that width (groups of 64; int5 0.055, int6 0.027); 2 bits
+# err 0.37-0.55 on every tensor, so its limit only catches a tensor rounded worse than zeroing it nearly would.
+ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int6": 0.06, "int5": 0.12, "int4": 0.25, "int3": 0.45, "int2": 0.9}
 BPW_RANGE = (2.0, 16.0)
 
 
@@ -37,6 +43,9 @@ class CompressOptions:
     # int8, or int4 (the width of tensors a bits-per-weight target does not plan) with bpw
     group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
+    # (fnmatch pattern of canonical names, bits in WIDTHS) rules, the first that matches a tensor the store quantizes
+    # anyway giving its width (mlx_lm-style mixed recipes: ("*.ffn.down.*", 6), ("layers.1[0-9].*", 3))
+    bits: tuple[tuple[str, int], ...] = ()
     quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT formats
     clip_search: bool | None = None  # None: on for CALIBRATED_BY_DEFAULT formats (as awq and gptq)
     dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
@@ -52,7 +61,7 @@ class CompressOptions:
     int3_max_ppl_increase: float = 0.08  # INT3: the gate's bound on the calibration-perplexity increase
     calibration_samples: int = 512  # input rows per linear kept for the AWQ error search
     calibration_max_tokens: int | None = None  # use only the first N calibration tokens (None: all)
-    # A size target: each quantizable tensor gets the width (BPW_WIDTHS, or exact) that loses least, measured,
+    # A size target: each quantizable tensor gets the width (WIDTHS, or exact) that loses least, measured,
     # within bits per weight as mlx_lm counts them (every stored byte, scales included, over the parameter count).
     bpw: float | None = None
     sensitivity_from: str | None = None  # a store of the same source whose measured sensitivities plan this one
@@ -61,6 +70,7 @@ class CompressOptions:
         self.passthrough = tuple(self.passthrough)
         if self.format is None:
             self.format = "int8" if self.bpw is None else "int4"
+        self.bits = tuple(tuple(rule) if isinstance(rule, list) else rule for rule in self.bits)  # JSON's lists
         if self.quantize_embeddings is None:
             self.quantize_embeddings = self.format in EMBEDDINGS_QUANTIZED_BY_DEFAULT
         for method in ("awq", "gptq", "clip_search"):
@@ -95,6 +105,7 @@ class CompressOptions:
                 f"group_size={self.group_size} is not valid for {self.format}; "
                 f"choose one of {', '.join(map(str, GROUP_SIZES[self.format]))}"
             )
+        self._validate_bits()
         if self.dtype is not None and self.dtype not in NP_STORAGE:
             raise ValueError(f"dtype={self.dtype!r} is not a float dtype; choose one of {', '.join(NP_STORAGE)}")
         if not 0 <= self.mixed_precision <= 1:
@@ -120,6 +131,25 @@ class CompressOptions:
             raise ValueError(f"bpw={self.bpw} and mixed_precision={self.mixed_precision} both choose widths; "
                              "give one of them")
 
+    def _validate_bits(self) -> None:
+        """Each `bits` rule: a pattern and a width of WIDTHS whose scheme takes the store's group size (all the
+        widths of a store share it). Messages name a rule as `bits=PATTERN=N`, the CLI's spelling."""
+        for rule in self.bits:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and type(rule[1]) is int):
+                raise ValueError(f"bits= holds {rule!r}, not a (pattern, bits) pair")
+            pattern, bits = rule
+            if bits not in WIDTHS:
+                raise ValueError(f"bits={pattern}={bits} is not a width; choose bits from "
+                                 f"{', '.join(map(str, WIDTHS))}")
+            allowed = SCHEMES[WIDTHS[bits]].group_sizes
+            if self.group_size not in allowed:
+                raise ValueError(f"bits={pattern}={bits} needs group_size={self.group_size} to be one of "
+                                 f"{', '.join(map(str, allowed))}")
+
+    def width(self, name: str) -> tuple[str, int] | None:
+        """The first `bits` rule whose pattern matches canonical tensor `name`, or None."""
+        return next((rule for rule in self.bits if fnmatch.fnmatchcase(name, rule[0])), None)
+
     def check_tiers_fit_format(self) -> None:
         """Refuse a quantized tier that this store's format can never feed. The API takes such a policy (the
         tier is skipped, as `tiers=` every tier reads); the CLI, where it is a user's mistake, refuses it."""
@@ -127,6 +157,15 @@ class CompressOptions:
             if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
                 raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
                                  f"format={self.format}; leave {tier} out of tiers= or compress with format={tier}")
+
+
+def default_tiers(opts: CompressOptions, schemes: set[str]) -> tuple[str, ...]:
+    """The cache policy of a store holding `schemes` without `tiers=`: mlx and the native tier of each scheme it
+    holds and, when it holds any group-wise tensor, of its format (a mixed store's tensors may all have other
+    widths)."""
+    if any(SCHEMES[s].grouped for s in schemes):
+        schemes = {*schemes, opts.scheme}
+    return ("mlx", *[tier for scheme, tier in NATIVE_TIERS.items() if scheme in schemes])
 
 
 def runtime_dtype(provider: WeightProvider) -> str:
@@ -165,4 +204,6 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
     cols = shape[-1]
     if opts.groups and cols % opts.groups:
         return "passthrough", f"{cols} columns do not split into groups of {opts.group_size}"
+    if kind != "int8" and (rule := opts.width(name)) is not None:  # the model's 8-bit wish above a rule's width
+        return WIDTHS[rule[1]], f"matches --bits {rule[0]}={rule[1]}"
     return opts.scheme, "linear weight"

@@ -21,7 +21,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import quant
-from .compress_options import CompressOptions, choose_scheme, runtime_dtype, source_dtype, weight_kinds
+from .compress_options import (ERROR_LIMITS, CompressOptions, choose_scheme, default_tiers, runtime_dtype,
+                               source_dtype, weight_kinds)
 from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, OutputExistsError, QuantizationError
@@ -35,10 +36,6 @@ from .io.fault import fault_point
 from .io.lock import exclusive
 from .options import checks_options
 
-# A tensor whose sampled relative error exceeds its scheme's limit is an outlier: kept exact (docs/format.md §5).
-ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int4": 0.25, "int3": 0.45}
-# The cache tier that holds each quantized scheme natively; a store's default policy is mlx plus these.
-QUANTIZED_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
 
 
@@ -76,6 +73,7 @@ def compress(
     scheme: str | None = None,
     group_size: int | str = 64,
     passthrough: tuple[str, ...] = (),
+    bits: tuple[tuple[str, int], ...] = (),
     quantize_embeddings: bool | None = None,
     clip_search: bool | None = None,
     dtype: str | None = None,
@@ -100,6 +98,8 @@ def compress(
     - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
       the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
+    - bits: (fnmatch pattern of canonical names, bits) rules: a tensor the store quantizes takes the width of the
+      first rule it matches, 2, 3, 4, 5, 6 or 8 (group-wise, at group_size), e.g. (("*.ffn.down.*", 6), ("*", 3)).
     - quantize_embeddings: quantize the token embedding and lm_head too, with the linears' scheme (as
       mlx_lm.convert -q does); False keeps them exact (about 2x the bytes of an INT4 store of a small model).
       None: on for int8 and int4, off for int3.
@@ -146,6 +146,7 @@ def compress(
         format=scheme,
         group_size=group_size,
         passthrough=passthrough,
+        bits=bits,
         quantize_embeddings=quantize_embeddings,
         clip_search=clip_search,
         dtype=dtype,
@@ -452,8 +453,7 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
                   tokenizer_files: Future) -> None:
     """The side files' records and the manifest: the store complete."""
     writer.add_side_files(written + tokenizer_files.result())
-    schemes = {e.scheme for e in writer.tensors.values()}
-    tiers = opts.tiers if opts.tiers is not None else ("mlx", *[t for s, t in QUANTIZED_TIERS.items() if s in schemes])
+    tiers = opts.tiers if opts.tiers is not None else default_tiers(opts, {e.scheme for e in writer.tensors.values()})
     source = Path(provider.reader.path)
     writer.write_manifest(
         model_type=provider.config.model_type,

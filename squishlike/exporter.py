@@ -7,7 +7,8 @@ every format exports alike; a quantized source is written dequantized unless -q 
 - hf: model.safetensors (sharded past 5 GiB) under HF names and orientation, config.json, tokenizer files.
 - mlx: what `mlx_lm.convert` writes: the mlx_lm model is built, quantized by mlx_lm's own `quantize_model`
   (so its per-layer choices and the "quantization" config are mlx_lm's), and its parameters saved. A layer the
-  source already stores quantized that way (an INT4 store at -q's 4 bits) keeps the source's own values.
+  source already stores quantized that way (an INT4 store at -q's 4 bits) keeps the source's own values; with -q
+  and no --q-bits every affine triple keeps its own width (a mixed store: per-layer "quantization" entries).
 - ollama: content-addressed safetensors blobs (quantized ones in MLX layout with quant_type / group_size metadata,
   the experts of one layer in one blob), the config and tokenizer files as JSON layers, and the manifest last.
 
@@ -102,7 +103,10 @@ def export(
             return export_ollama(provider, dest, name, params, force=force, dtype=dtype)
         tmp = make_temp_dir(dest)
         try:
-            write_hf(provider, tmp, dtype) if to == "hf" else write_mlx(provider, tmp, params, dtype)
+            if to == "hf":
+                write_hf(provider, tmp, dtype)
+            else:
+                write_mlx(provider, tmp, params, dtype, own_widths=q_bits is None)
             publish_dir(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -181,7 +185,10 @@ def write_hf(provider: WeightProvider, out: Path, dtype: str | None = None) -> N
     write_shards(out, list(canonical), lambda name: read_as(provider, "hf", canonical[name], dtype), {"format": "pt"})
 
 
-def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None, dtype: str | None = None) -> None:
+def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None, dtype: str | None = None,
+              own_widths: bool = False) -> None:
+    """`own_widths` (-q without --q-bits): a layer the source stores as an affine triple keeps its own bits and
+    group size (a mixed store's widths, as per-layer "quantization" entries), not -q's default bits."""
     from mlx_lm.utils import quantize_model, save_config
 
     config = dense_config(provider, dtype)
@@ -189,13 +196,32 @@ def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None, d
     weights = {name: read_as(provider, "mlx", canonical, dtype) for name, canonical in names.items()}
     model = build_model(config, weights, lazy=True)
     if params is not None:
-        model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode)
+        predicate = stored_widths(provider, model) if own_widths and params.mode == "affine" else None
+        model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode,
+                                       quant_predicate=predicate)
         model.load_weights(list(own_quantized(provider, model).items()), strict=False)
     provider.write_side_files(out)
     parameters = dict(tree_flatten(model.parameters()))
     write_shards(out, list(parameters), parameters.__getitem__, {"format": "mlx"})
     with atomic_path(out / CONFIG) as tmp:  # after the side files, whose config.json it replaces
         save_config(config, tmp)
+
+
+def stored_widths(provider: WeightProvider, model: nn.Module) -> Callable[[str, nn.Module], bool | dict]:
+    """A quant_predicate for mlx_lm's quantize_model: the model's own (its routers' 8 bits, ...), except that a layer
+    the source stores as an affine triple is quantized at that triple's group size and bits, which quantize_model
+    then records as the layer's own "quantization" entry."""
+    canonical = names_as(provider, "mlx")
+    model_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        name = canonical.get(f"{path}.weight")
+        triple = provider.get_quantized(name) if name is not None else None
+        if triple is not None and triple.mode == "affine":
+            return {"group_size": triple.group_size, "bits": triple.bits, "mode": "affine"}
+        return model_predicate(path, module) if model_predicate is not None else True
+
+    return predicate
 
 
 def own_quantized(provider: WeightProvider, model: nn.Module) -> dict[str, mx.array]:

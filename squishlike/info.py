@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from .errors import FormatError
 from .formats import detect_format
 from .formats.npydir import NpyDirReader
-from .npydir import NpyDir, is_npydir
+from .npydir import SCHEMES, NpyDir, is_npydir
 from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
 from .tiers.rank import RankTier
@@ -36,6 +37,10 @@ def inspect_model(path: str | Path) -> dict:
             "format_version": store.version,
             "runtime_dtype": store.runtime_dtype,
             "bytes": sum(r.size for r in store.part_files().values()),
+            "bits_per_weight": store.manifest.bits_per_weight(),
+            # tensors per scheme, widest first: a mixed store's widths
+            "widths": dict(Counter(sorted((e.scheme for e in store.entries.values()),
+                                          key=lambda s: -(SCHEMES[s].bits or 99)))),
             "policy": store.manifest.policy.to_json(),
             "int3_gate": store.manifest.int3_gate or {"passed": False, "reason": "store is not INT3"},
         }

@@ -1,4 +1,4 @@
-//! Group-wise affine quantization shared by INT4, INT3 and group-wise INT8 (MLX's "affine" mode):
+//! Group-wise affine quantization shared by INT2..INT6 and group-wise INT8 (MLX's "affine" mode):
 //! w ~ q * scale + bias.
 //!
 //! `squishlike/quant/reference.py` is the spec. Every step below is the same float32 operation, in the same order,

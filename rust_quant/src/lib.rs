@@ -13,10 +13,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 pub mod affine;
+pub mod bitstream;
 pub mod dtype;
 pub mod gptq;
 pub mod hash;
-pub mod int3;
 pub mod int4;
 pub mod int8;
 pub mod int8g;
@@ -24,8 +24,8 @@ pub mod shape;
 mod simd;
 
 use affine::Packing;
+use bitstream::{Int2, Int3, Int5, Int6};
 use dtype::{Dtype, Float};
-use int3::Int3;
 use int4::Int4;
 use int8g::Int8g;
 
@@ -337,11 +337,33 @@ affine_bindings!(
     dequantize_int3,
     "`out` (its 2-D shape gives the columns) = the INT3 codes dequantized exactly as mx.dequantize does."
 );
+affine_bindings!(
+    Int2,
+    quantize_int2,
+    "Affine 2-bit groups of `w` into `packed` (uint22, mx.quantize(bits=2) layout), `scales` and `biases`.",
+    dequantize_int2,
+    "`out` (its 2-D shape gives the columns) = the INT2 codes dequantized exactly as mx.dequantize does."
+);
+affine_bindings!(
+    Int5,
+    quantize_int5,
+    "Affine 5-bit groups of `w` into `packed` (uint52, mx.quantize(bits=5) layout), `scales` and `biases`.",
+    dequantize_int5,
+    "`out` (its 2-D shape gives the columns) = the INT5 codes dequantized exactly as mx.dequantize does."
+);
+affine_bindings!(
+    Int6,
+    quantize_int6,
+    "Affine 6-bit groups of `w` into `packed` (uint62, mx.quantize(bits=6) layout), `scales` and `biases`.",
+    dequantize_int6,
+    "`out` (its 2-D shape gives the columns) = the INT6 codes dequantized exactly as mx.dequantize does."
+);
 
 /// GPTQ's column loop over columns [start, start + group_size) of `w` (float32 [rows, cols], rewritten in place to
 /// the scaled rounding errors), with `u` (float32 [group_size, group_size]) the group's block of the upper Cholesky
 /// factor of the inverse Hessian: the group's codes into `q` (uint8 [rows, cols], one per byte) and its grid into
-/// `scales` / `biases` (scale_dtype, [rows, cols / group_size]) for scheme int4, int3 or int8g (rust_quant/src/gptq.rs).
+/// `scales` / `biases` (scale_dtype, [rows, cols / group_size]) for scheme int2, int3, int4, int5, int6 or
+/// int8g (rust_quant/src/gptq.rs).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn gptq_group(
@@ -361,7 +383,10 @@ fn gptq_group(
         "int4" => gptq_affine::<Int4>,
         "int3" => gptq_affine::<Int3>,
         "int8g" => gptq_affine::<Int8g>,
-        _ => return Err(value_error(format!("scheme {scheme:?} has no GPTQ; use int4, int3 or int8g"))),
+        "int2" => gptq_affine::<Int2>,
+        "int5" => gptq_affine::<Int5>,
+        "int6" => gptq_affine::<Int6>,
+        _ => return Err(value_error(format!("scheme {scheme:?} has no GPTQ; use int2..int6 or int8g"))),
     };
     run(py, w, start, group_size, u, scale_dtype, clip_search, q, scales, biases)
 }
@@ -400,29 +425,59 @@ fn gptq_affine<K: Packing>(
     })
 }
 
-/// uint8 codes 0..15 -> `packed` uint8, low nibble = even column.
-#[pyfunction]
-fn pack_int4(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
-    pack_affine::<Int4>(py, q, packed)
+/// The pack and unpack pyfunctions of one packing: codes (uint8, one per element) to the scheme's packed words and
+/// back (the codes' 2-D shape gives the columns).
+macro_rules! packing_bindings {
+    ($packing:ty, $pack:ident, $pack_doc:literal, $unpack:ident, $unpack_doc:literal) => {
+        #[doc = $pack_doc]
+        #[pyfunction]
+        fn $pack(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
+            pack_affine::<$packing>(py, q, packed)
+        }
+
+        #[doc = $unpack_doc]
+        #[pyfunction]
+        fn $unpack(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) -> PyResult<()> {
+            unpack_affine::<$packing>(py, packed, q)
+        }
+    };
 }
 
-/// Nibble-packed uint8 -> `q` uint8 codes (q's 2-D shape gives the columns).
-#[pyfunction]
-fn unpack_int4(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) -> PyResult<()> {
-    unpack_affine::<Int4>(py, packed, q)
-}
-
-/// uint8 codes 0..7 -> `packed` uint32 in mx.quantize(bits=3)'s layout.
-#[pyfunction]
-fn pack_int3(py: Python<'_>, q: &Bound<'_, PyAny>, packed: &Bound<'_, PyAny>) -> PyResult<()> {
-    pack_affine::<Int3>(py, q, packed)
-}
-
-/// uint32 in mx.quantize(bits=3)'s layout -> `q` uint8 codes (q's 2-D shape gives the columns).
-#[pyfunction]
-fn unpack_int3(py: Python<'_>, packed: &Bound<'_, PyAny>, q: &Bound<'_, PyAny>) -> PyResult<()> {
-    unpack_affine::<Int3>(py, packed, q)
-}
+packing_bindings!(
+    Int4,
+    pack_int4,
+    "uint8 codes 0..15 -> `packed` uint8, low nibble = even column.",
+    unpack_int4,
+    "Nibble-packed uint8 -> `q` uint8 codes."
+);
+packing_bindings!(
+    Int3,
+    pack_int3,
+    "uint8 codes 0..7 -> `packed` uint32 in mx.quantize(bits=3)'s layout.",
+    unpack_int3,
+    "uint32 in mx.quantize(bits=3)'s layout -> `q` uint8 codes."
+);
+packing_bindings!(
+    Int2,
+    pack_int2,
+    "uint8 codes 0..3 -> `packed` uint32 in mx.quantize(bits=2)'s layout.",
+    unpack_int2,
+    "uint32 in mx.quantize(bits=2)'s layout -> `q` uint8 codes."
+);
+packing_bindings!(
+    Int5,
+    pack_int5,
+    "uint8 codes 0..31 -> `packed` uint32 in mx.quantize(bits=5)'s layout.",
+    unpack_int5,
+    "uint32 in mx.quantize(bits=5)'s layout -> `q` uint8 codes."
+);
+packing_bindings!(
+    Int6,
+    pack_int6,
+    "uint8 codes 0..63 -> `packed` uint32 in mx.quantize(bits=6)'s layout.",
+    unpack_int6,
+    "uint32 in mx.quantize(bits=6)'s layout -> `q` uint8 codes."
+);
 
 /// One packing scheme as `squishlike.quant.schemes` reads it: its bits, the group sizes it takes, and how many
 /// words of which dtype hold one block of codes (a row's packed width is cols / block * block_words).
@@ -499,6 +554,9 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     schemes.set_item("int8g", affine_constants::<Int8g>(py)?)?;
     schemes.set_item("int4", affine_constants::<Int4>(py)?)?;
     schemes.set_item("int3", affine_constants::<Int3>(py)?)?;
+    schemes.set_item("int2", affine_constants::<Int2>(py)?)?;
+    schemes.set_item("int5", affine_constants::<Int5>(py)?)?;
+    schemes.set_item("int6", affine_constants::<Int6>(py)?)?;
     m.add("SCHEMES", schemes)?;
     m.add_function(wrap_pyfunction!(quantize_int8, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize_int8, m)?)?;
@@ -512,6 +570,18 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize_int3, m)?)?;
     m.add_function(wrap_pyfunction!(pack_int3, m)?)?;
     m.add_function(wrap_pyfunction!(unpack_int3, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_int2, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int2, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_int2, m)?)?;
+    m.add_function(wrap_pyfunction!(unpack_int2, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_int5, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int5, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_int5, m)?)?;
+    m.add_function(wrap_pyfunction!(unpack_int5, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_int6, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_int6, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_int6, m)?)?;
+    m.add_function(wrap_pyfunction!(unpack_int6, m)?)?;
     m.add_function(wrap_pyfunction!(gptq_group, m)?)?;
     m.add_class::<PyXxh3>()?;
     Ok(())

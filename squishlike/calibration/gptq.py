@@ -9,6 +9,7 @@ for the group's columns as they stand when the group is reached. The result is t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ import numpy as np
 
 from .. import quant
 from ..openblas import mlx_lapack_is_fast
-from ..quant.reference import storage_dtype, to_float32
+from ..quant.reference import BITSTREAM_BITS, storage_dtype, to_float32
 from .products import subtract_product
 from .quantizer import Quantizer
 from .stats import ScaleGroup
@@ -29,7 +30,8 @@ BATCH = 256  # columns whose errors are spread onto the later columns in one pro
 # 0.24 TFLOP a layer, in spans 29 GFLOP; at 18,944, 4.3 GB of factors at once, in spans 16 MB each.
 HESSIAN_SPAN = 2048
 ROW_BLOCK = 8192  # rows GPTQ rounds at once (see gptq)
-_PACK = {"int4": quant.pack_int4, "int3": quant.pack_int3, "int8g": lambda q: q}
+_PACK = {"int4": quant.pack_int4, "int8g": lambda q: q,
+         **{f"int{bits}": functools.partial(quant.pack_bits, bits=bits) for bits in BITSTREAM_BITS}}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..compress_options import BPW_WIDTHS, CompressOptions, choose_scheme, runtime_dtype, weight_kinds
+from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from ..config import load_config
 from ..errors import FormatError, UnsupportedArchitectureError
 from ..npydir import MANIFEST, NpyDir, source_fingerprint
@@ -94,7 +94,7 @@ class _SourceWeights:
         self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
         self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
         # What a bits-per-weight target chooses among: each width, group-wise, and exact
-        self.widths = (*(Quantizer(WIDTHS[b], opts.groups, runtime, opts.clip_search) for b in BPW_WIDTHS),
+        self.widths = (*(Quantizer(WIDTHS[b], opts.groups, runtime, opts.clip_search) for b in WIDTHS),
                        Quantizer("passthrough", opts.groups, runtime))
 
     def weight(self, name: str) -> np.ndarray:
@@ -287,16 +287,19 @@ class Calibrator:
         quantizers = self.source.widths if self.opts.bpw is not None else (self.source.base, self.source.high)
         losses: dict[str, tuple[float, ...]] = {}
         shapes: dict[str, tuple[int, int]] = {}
+        reference = [q.scheme for q in quantizers].index(self.source.base.scheme)
         for i in range(len(runner)):
+            candidates = self._candidates(runner.block_names[i])
             runner.load(i)
             inputs = runner.hidden
-            calib, runner.hidden = record(runner, i, self._block_groups(i), self.picks)
+            calib, runner.hidden = record(runner, i, [*self._block_groups(i), *candidates.values()], self.picks)
             self._search_awq(self._block_groups(i), calib)
-            for mlx_name, name in self._candidates(runner.block_names[i]):
+            for name, g in candidates.items():
                 w = self.source.weight(name)
                 shapes[name] = w.shape
-                losses[name] = block_losses(runner, i, mlx_name, name, w, inputs, runner.hidden,
-                                            self.plan.transform, quantizers)
+                losses[name] = block_losses(runner, i, self.provider.mlx_name(name), name, w,
+                                            calib.samples[g.name], inputs, runner.hidden, self.plan.transform,
+                                            quantizers, reference)
             runner.release(i)
         self._measure_vocabulary(runner, quantizers, losses, shapes)
         self.plan.record["awq_from_first_pass"] = bool(self.awq)
@@ -374,14 +377,14 @@ class Calibrator:
         self._plan_widths(shapes, schemes, losses)
         self.plan.record["bpw"]["measured_in"] = str(store.path)
 
-    def _candidates(self, block_names: list[str]) -> list[tuple[str, str]]:
-        """The block's 2-D weights the store quantizes with its scheme: (mlx name, canonical name)."""
-        found = []
+    def _candidates(self, block_names: list[str]) -> dict[str, ScaleGroup]:
+        """The block's 2-D weights the store quantizes with its scheme, as one-linear groups recording inputs."""
+        found = {}
         for mlx in block_names:
             name = self.canonical[mlx]
             if mlx.endswith(".weight") and self.source.quantizer_for(name) is not None \
                     and len(self.source.shape(name)) == 2:
-                found.append((mlx, name))
+                found[name] = ScaleGroup(name, "tensor", -1, mlx.removesuffix(".weight"), (name,), ())
         return found
 
     def manifest(self) -> dict[str, Any]:

@@ -22,6 +22,14 @@ def _group_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"group size {text} is neither a number nor {ROW!r}") from None
 
 
+def width_rule(text: str) -> tuple[str, int]:
+    """--bits PATTERN=N: one (pattern, bits) rule; compress validates the width."""
+    pattern, sep, bits = text.rpartition("=")
+    if not (sep and pattern and bits.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not PATTERN=BITS, e.g. '*.ffn.down.*=6'")
+    return pattern, int(bits)
+
+
 def tier_list(text: str) -> tuple[str, ...]:
     """--tiers: a comma-separated list naming at least one tier (leave the flag out for the default)."""
     tiers = tuple(t for t in text.split(",") if t)
@@ -43,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "int8 also takes 'row', the per-row symmetric form")
     parser.add_argument("--passthrough", nargs="+", default=(), metavar="PATTERN",
                         help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
+    parser.add_argument("--bits", action="append", type=width_rule, default=[], metavar="PATTERN=N",
+                        help="store the tensors whose canonical names match PATTERN (glob) at N bits: 2, 3, 4, 5, 6 "
+                        "or 8, group-wise at --group-size; repeatable, the first match wins (mixed recipes, e.g. "
+                        "--bits '*.ffn.down.*=6' --bits '*=3')")
     parser.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="quantize the embedding and lm_head with the linears' scheme, as mlx_lm.convert -q does "
                         "(default for int8 and int4); --no-quantize-embeddings keeps them exact, at about 2x the "

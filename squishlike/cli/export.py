@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, type=Path,
                         help="output directory (for --to ollama: the store root, e.g. ~/.ollama/models)")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights (mlx, ollama)")
-    parser.add_argument("--q-bits", type=int, default=None, help="bits per weight (default: 4 for affine)")
+    parser.add_argument("--q-bits", type=int, default=None,
+                        help="bits per weight (default: 4 for affine, and a layer the source stores as an affine "
+                        "triple, a mixed store's, keeps its own bits and group size)")
     parser.add_argument("--q-group-size", type=int, default=None, help="group size (default: 64 for affine)")
     parser.add_argument("--q-mode", default="affine", choices=list(MODE_DEFAULTS), help="quantization mode")
     parser.add_argument("--ollama-name", default=None, help="model name for --to ollama (name[:tag])")

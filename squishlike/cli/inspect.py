@@ -49,6 +49,8 @@ def summary(report: dict) -> list[str]:
         return lines
     store = report["store"]
     lines[1] += f" format {store['format_version']}: {store['scheme'].upper()} store, runtime {store['runtime_dtype']}"
+    widths = ", ".join(f"{count} {scheme}" for scheme, count in store["widths"].items())
+    lines[3] += f" ({widths}), {store['bits_per_weight']:.3f} bits per weight"
     for i, (name, tier) in enumerate(report["tiers"].items()):
         size = megabytes(tier["bytes"]) if tier["bytes"] else ""
         policy = "in policy" if tier["wanted"] else ""

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -378,6 +379,10 @@ class Manifest:
     def schemes(self) -> set[str]:
         return {e.scheme for e in self.tensors.values()}
 
+    def bits_per_weight(self) -> float:
+        """The store's real bits per weight (`bits_per_weight` of its entries)."""
+        return bits_per_weight(self.tensors.values())
+
     @property
     def int3_passed(self) -> bool:
         return bool(self.int3_gate and self.int3_gate.get("passed", False))
@@ -398,6 +403,17 @@ class Manifest:
     def pack_parts(self) -> dict[str, list[tuple[str, str]]]:
         """Format 2: each pack -> the (tensor name, suffix) of the parts it holds, in the order they lie in it."""
         return _pack_parts(self.tensors)
+
+
+def bits_per_weight(entries: Iterable[TensorEntry]) -> float:
+    """Bits per weight of a store holding `entries` (a manifest's, or a writer's so far), as mlx_lm's
+    compute_bits_per_weight counts a model's: the bytes of every stored part (codes, scales and offsets, exact
+    tensors) times 8, over the parameters (each tensor's elements, a quantized one's by its dense shape). 0.0 for
+    no tensors."""
+    entries = list(entries)
+    parts = [e.part_spec(suffix) for e in entries for suffix in e.kind.suffixes]
+    parameters = sum(math.prod(e.shape) for e in entries)
+    return 8 * sum(math.prod(shape) * dtype.itemsize for dtype, shape in parts) / parameters if parameters else 0.0
 
 
 def _pack_parts(tensors: dict[str, TensorEntry]) -> dict[str, list[tuple[str, str]]]:

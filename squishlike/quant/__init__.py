@@ -1,4 +1,4 @@
-"""Quantize and dequantize INT8 (per row or group-wise) / INT4 / INT3 weights with the Rust kernels
+"""Quantize and dequantize INT8 (per row or group-wise) / INT2..INT6 weights with the Rust kernels
 (`squishlike.rust_quant`).
 
 Same functions and signatures as the NumPy spec in `squishlike.quant.reference`, with the same bits out, at memory
@@ -17,6 +17,7 @@ import numpy as np
 
 from squishlike import rust_quant as _rq
 from squishlike.quant.reference import (
+    BITSTREAM_BITS,
     grouped_functions,
     int4_to_mlx,
     mlx_to_int4,
@@ -39,12 +40,20 @@ __all__ = [
     "dequantize_int4",
     "pack_int4",
     "unpack_int4",
+    "pack_bits",
+    "unpack_bits",
     "int4_to_mlx",
     "mlx_to_int4",
     "quantize_int3",
     "dequantize_int3",
     "pack_int3",
     "unpack_int3",
+    "quantize_int2",
+    "dequantize_int2",
+    "quantize_int5",
+    "dequantize_int5",
+    "quantize_int6",
+    "dequantize_int6",
     "gptq_group",
 ]
 
@@ -93,6 +102,9 @@ def _dequantize_affine(scheme, packed, scales, biases, group_size, scale_dtype, 
 quantize_int8g, dequantize_int8g = grouped_functions("int8g", _quantize_affine, _dequantize_affine)
 quantize_int4, dequantize_int4 = grouped_functions("int4", _quantize_affine, _dequantize_affine)
 quantize_int3, dequantize_int3 = grouped_functions("int3", _quantize_affine, _dequantize_affine)
+quantize_int2, dequantize_int2 = grouped_functions("int2", _quantize_affine, _dequantize_affine)
+quantize_int5, dequantize_int5 = grouped_functions("int5", _quantize_affine, _dequantize_affine)
+quantize_int6, dequantize_int6 = grouped_functions("int6", _quantize_affine, _dequantize_affine)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -111,19 +123,38 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return q
 
 
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes 0..2**bits-1 [r, c] -> uint32 [r, c*bits//32] in mx.quantize(bits=bits)'s bitstream layout
+    (bits 2, 3, 5 or 6: the schemes "int2", "int3", "int5", "int6")."""
+    scheme = _bitstream(bits)
+    rows, cols = rows_cols(q.shape, "q")
+    packed = np.empty((rows, SCHEMES[scheme].packed_cols(cols)), SCHEMES[scheme].word)
+    getattr(_rq, f"pack_{scheme}")(q, packed)
+    return packed
+
+
+def unpack_bits(packed: np.ndarray, cols: int, bits: int) -> np.ndarray:
+    """uint32 [r, cols*bits//32] in mx.quantize(bits=bits)'s layout -> uint8 codes [r, cols]."""
+    scheme = _bitstream(bits)
+    q = np.empty((rows_cols(packed.shape, "packed")[0], cols), np.uint8)
+    getattr(_rq, f"unpack_{scheme}")(packed, q)
+    return q
+
+
+def _bitstream(bits: int) -> str:
+    if bits not in BITSTREAM_BITS:
+        raise ValueError(f"bits={bits} is not a bitstream width; use one of {BITSTREAM_BITS}")
+    return f"int{bits}"
+
+
 def pack_int3(q: np.ndarray) -> np.ndarray:
     """uint8 codes 0..7 [r, c] -> uint32 [r, c*3//32] in mx.quantize(bits=3)'s layout."""
-    rows, cols = rows_cols(q.shape, "q")
-    packed = np.empty((rows, SCHEMES["int3"].packed_cols(cols)), SCHEMES["int3"].word)
-    _rq.pack_int3(q, packed)
-    return packed
+    return pack_bits(q, 3)
 
 
 def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
     """uint32 [r, cols*3//32] in mx.quantize(bits=3)'s layout -> uint8 codes 0..7 [r, cols]."""
-    q = np.empty((rows_cols(packed.shape, "packed")[0], cols), np.uint8)
-    _rq.unpack_int3(packed, q)
-    return q
+    return unpack_bits(packed, cols, 3)
 
 
 def gptq_group(
@@ -141,7 +172,7 @@ def quantize(
     scheme: str, w: np.ndarray, *, src_dtype: str | None = None, group_size: int = 64,
     scale_dtype: str = "bfloat16", clip_search: bool = False,
 ) -> tuple[np.ndarray, ...]:
-    """`w` quantized with `scheme` ("int8", "int8g", "int4", "int3"): its parts, in the order
+    """`w` quantized with `scheme` ("int8", "int8g", "int2".."int6"): its parts, in the order
     SCHEMES[scheme].parts names them."""
     if scheme == "int8":
         return quantize_int8(w, src_dtype=src_dtype)
@@ -159,7 +190,7 @@ def dequantize(
 
 
 def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
-    """Group-wise packed codes as the uint32 words MLX keeps. INT3 is stored in MLX's layout already, and
+    """Group-wise packed codes as the uint32 words MLX keeps. INT2/3/5/6 are stored in MLX's layout already, and
     group-wise INT8 bytes are MLX's words read little-endian (a view, no copy); INT4 nibbles are reordered."""
     return int4_to_mlx(q) if scheme == "int4" else q.view("<u4")
 
@@ -167,7 +198,7 @@ def mlx_words(scheme: str, q: np.ndarray) -> np.ndarray:
 def from_mlx_words(scheme: str, words: np.ndarray) -> np.ndarray:
     """The inverse of mlx_words for any grouped scheme: MLX's uint32 words [..., w] as the scheme's packed codes
     [rows, packed cols]. Every grouped scheme packs its codes LSB first as MLX does, into words of its own width
-    (bytes for INT4 and group-wise INT8, uint32 for INT3), so MLX's words read little-endian at that width are
+    (bytes for INT4 and group-wise INT8, uint32 for the bitstream widths), so MLX's words read little-endian at that width are
     the scheme's codes: a view (a copy only for non-contiguous input)."""
     words = np.ascontiguousarray(words, dtype="<u4")
     return words.reshape(rows_cols(words.shape, "words")).view(SCHEMES[scheme].word)

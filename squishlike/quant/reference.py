@@ -8,7 +8,7 @@ Conventions shared by every function here and in `squishlike.quant`:
 - An N-D weight is treated as 2-D: rows = product of the leading dims, cols = the last dim. Rows may be 0.
 - All arithmetic is float32 with round-half-to-even (``np.rint``). Converting float32 to float16/bfloat16 rounds to
   nearest even; float16 and bfloat16 overflow to inf.
-- Affine dequantization (INT4, INT3, group-wise INT8) is what ``mx.dequantize`` computes on mlx[cpu] 0.32.4, found
+- Affine dequantization (INT2..INT6, group-wise INT8) is what ``mx.dequantize`` computes on mlx[cpu] 0.32.4, found
   by experiment for every scale and output dtype: ``out = cast_out(T(T(q * scale) + bias))`` where ``T`` rounds to
   the *scale* dtype after the multiply and again after the add (for float32 scales that is plain float32
   arithmetic, no fused multiply-add), and only then is the result cast to the output dtype.
@@ -16,6 +16,7 @@ Conventions shared by every function here and in `squishlike.quant`:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -26,11 +27,12 @@ from squishlike.errors import QuantizationError
 
 DTYPES = ("float32", "float16", "bfloat16")
 INT4_GROUP_SIZES = (32, 64, 128)
-INT3_GROUP_SIZES = (32, 64, 128)  # mx.quantize(bits=3) accepts all three
+INT3_GROUP_SIZES = (32, 64, 128)  # mx.quantize(bits=3) accepts all three, as it does for 2, 5 and 6 bits
 INT8G_GROUP_SIZES = (32, 64, 128)
 INT4_LEVELS = 15
 INT3_LEVELS = 7
 INT8G_LEVELS = 255
+BITSTREAM_BITS = (2, 3, 5, 6)  # the widths packed as mx.quantize's bitstream into uint32 words ("int2" ...)
 _MLX_EPS = np.float32(1e-7)  # mx.quantize's smallest group width
 
 # Clip search: shrink each end of a group's [min, max] toward the other by k % of the range, k = 0..10, so the
@@ -167,7 +169,7 @@ def dequantize_int8(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Affine group quantization (INT4, INT3, group-wise INT8)
+# Affine group quantization (INT2..INT6, group-wise INT8)
 
 
 # A group's grid is ((scale, bias) the codes are picked with, (scale, bias) stored): float32 arrays, the stored pair
@@ -176,7 +178,7 @@ Grid = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 def _min_max_grid(lo: np.ndarray, hi: np.ndarray, levels: int, scale_dtype: str) -> Grid:
-    """INT4, INT3: scale (hi - lo) / levels and bias lo, rounded to scale_dtype, and codes picked with them."""
+    """INT2..INT6: scale (hi - lo) / levels and bias lo, rounded to scale_dtype, and codes picked with them."""
     with np.errstate(over="ignore"):
         s = round_to(((hi - lo) / np.float32(levels)).astype(np.float32), scale_dtype)
         z = round_to(lo, scale_dtype)
@@ -204,7 +206,7 @@ def _mlx_grid(lo: np.ndarray, hi: np.ndarray, levels: int, scale_dtype: str) -> 
 
 _AFFINE = {
     "int4": (INT4_LEVELS, INT4_GROUP_SIZES, _min_max_grid),
-    "int3": (INT3_LEVELS, INT3_GROUP_SIZES, _min_max_grid),
+    **{f"int{b}": (2**b - 1, INT3_GROUP_SIZES, _min_max_grid) for b in BITSTREAM_BITS},
     "int8g": (INT8G_LEVELS, INT8G_GROUP_SIZES, _mlx_grid),
 }
 
@@ -355,42 +357,47 @@ def mlx_to_int4(words: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# INT3
+# INT2, INT3, INT5, INT6: the bitstream
 #
-# mx.quantize(bits=3) writes each row as one little-endian bitstream: element k occupies bits 3k..3k+2, so 8
-# elements fill 3 bytes and 32 elements fill 3 uint32 words; the bytes are those words in little-endian order.
-# A word boundary cuts through elements 10 and 21 of every 32. (Found by quantizing known values with
-# mx.quantize and reading the words back; tests/unit/test_quant.py checks it against MLX.)
+# mx.quantize(bits=B) for B = 2, 3, 5, 6 writes each row as one little-endian bitstream: element k occupies bits
+# B*k..B*k+B-1, so 8 elements fill B bytes and 32 elements fill B uint32 words; the bytes are those words in
+# little-endian order. For 3, 5 and 6 bits a word boundary cuts through some elements (3 bits: 10 and 21 of every
+# 32). (Found by quantizing known values with mx.quantize and reading the words back; tests/unit/test_quant_mlx.py
+# checks it against MLX.)
 
 
-def pack_int3(q: np.ndarray) -> np.ndarray:
-    """uint8 values 0..7 [r, c] -> uint32 [r, c*3//32] in mx.quantize(bits=3)'s bitstream layout."""
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 values 0..2**bits-1 [r, c] -> uint32 [r, c*bits//32] in mx.quantize(bits=bits)'s bitstream layout."""
     q = _as_2d(np.asarray(q), "q")
     if q.dtype != np.uint8:
         raise TypeError(f"q has dtype {q.dtype}; expected uint8")
     rows, cols = q.shape
     if cols % 32:
-        raise QuantizationError(f"int3: q has {cols} columns; packing needs a multiple of 32")
-    if q.size and q.max() > INT3_LEVELS:
-        raise QuantizationError(f"int3: q holds {q.max()}; values must be 0..7")
-    eights = q.reshape(rows, cols // 8, 8).astype(np.uint32)
-    acc = (eights << (3 * np.arange(8, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)  # 24 bits per 8 values
-    stream = np.stack([(acc >> shift) & 0xFF for shift in (0, 8, 16)], axis=-1).astype(np.uint8)
-    return np.ascontiguousarray(stream.reshape(rows, cols * 3 // 8)).view("<u4").astype(np.uint32)
+        raise QuantizationError(f"int{bits}: q has {cols} columns; packing needs a multiple of 32")
+    if q.size and q.max() >= 2**bits:
+        raise QuantizationError(f"int{bits}: q holds {q.max()}; values must be 0..{2**bits - 1}")
+    eights = q.reshape(rows, cols // 8, 8).astype(np.uint64)
+    acc = (eights << (bits * np.arange(8, dtype=np.uint64))).sum(axis=-1, dtype=np.uint64)  # 8*bits bits / 8 values
+    stream = np.stack([(acc >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(bits)], axis=-1).astype(np.uint8)
+    return np.ascontiguousarray(stream.reshape(rows, cols * bits // 8)).view("<u4").astype(np.uint32)
 
 
-def unpack_int3(packed: np.ndarray, cols: int) -> np.ndarray:
-    """uint32 [r, cols*3//32] in mx.quantize(bits=3)'s layout -> uint8 values 0..7 [r, cols]."""
+def unpack_bits(packed: np.ndarray, cols: int, bits: int) -> np.ndarray:
+    """uint32 [r, cols*bits//32] in mx.quantize(bits=bits)'s layout -> uint8 values [r, cols]."""
     packed = _as_2d(np.asarray(packed), "packed")
     if packed.dtype != np.uint32:
         raise TypeError(f"packed has dtype {packed.dtype}; expected uint32")
     rows, words = packed.shape
-    if cols % 32 or words * 32 != cols * 3:
-        raise QuantizationError(f"int3: packed has shape {packed.shape}, which does not hold {cols} columns")
-    stream = np.ascontiguousarray(packed.astype("<u4")).view(np.uint8).reshape(rows, cols // 8, 3).astype(np.uint32)
-    acc = stream[..., 0] | (stream[..., 1] << 8) | (stream[..., 2] << 16)
-    q = (acc[..., None] >> (3 * np.arange(8, dtype=np.uint32))) & 7
+    if cols % 32 or words * 32 != cols * bits:
+        raise QuantizationError(f"int{bits}: packed has shape {packed.shape}, which does not hold {cols} columns")
+    stream = np.ascontiguousarray(packed.astype("<u4")).view(np.uint8).reshape(rows, cols // 8, bits)
+    acc = (stream.astype(np.uint64) << (8 * np.arange(bits, dtype=np.uint64))).sum(axis=-1, dtype=np.uint64)
+    q = (acc[..., None] >> (bits * np.arange(8, dtype=np.uint64))) & np.uint64(2**bits - 1)
     return q.reshape(rows, cols).astype(np.uint8)
+
+
+pack_int3 = functools.partial(pack_bits, bits=3)  # (q) -> packed, as squishlike.quant.pack_int3
+unpack_int3 = functools.partial(unpack_bits, bits=3)  # (packed, cols) -> q
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -419,7 +426,7 @@ def grouped_functions(
     scheme has in both kernel modules (the Rust wrappers and the NumPy spec), over the module's generic
     `quantize_affine(scheme, w, src_dtype, group_size, scale_dtype, clip_search)` and
     `dequantize_affine(scheme, packed, scales, biases, group_size, scale_dtype, out_dtype, out)`."""
-    bits = _AFFINE[scheme][0].bit_length()  # 15 -> 4, 7 -> 3, 255 -> 8
+    bits = _AFFINE[scheme][0].bit_length()  # 15 -> 4, 7 -> 3, 255 -> 8, ...
 
     def quantize(
         w: np.ndarray, *, src_dtype: str | None = None, group_size: int = 64, scale_dtype: str = "bfloat16",
@@ -445,7 +452,8 @@ def grouped_functions(
 
 _PACKING = {  # scheme -> (codes [r, c] -> packed, packed -> codes)
     "int4": (pack_int4, unpack_int4),
-    "int3": (pack_int3, lambda packed: unpack_int3(packed, packed.shape[-1] * 32 // 3)),
+    **{f"int{b}": (functools.partial(pack_bits, bits=b), lambda p, b=b: unpack_bits(p, p.shape[-1] * 32 // b, b))
+       for b in BITSTREAM_BITS},
     "int8g": (_int8g_codes, _int8g_codes),
 }
 
@@ -463,3 +471,6 @@ def _dequantize_packed(scheme, packed, scales, biases, group_size, scale_dtype, 
 quantize_int8g, dequantize_int8g = grouped_functions("int8g", _quantize_packed, _dequantize_packed)
 quantize_int4, dequantize_int4 = grouped_functions("int4", _quantize_packed, _dequantize_packed)
 quantize_int3, dequantize_int3 = grouped_functions("int3", _quantize_packed, _dequantize_packed)
+quantize_int2, dequantize_int2 = grouped_functions("int2", _quantize_packed, _dequantize_packed)
+quantize_int5, dequantize_int5 = grouped_functions("int5", _quantize_packed, _dequantize_packed)
+quantize_int6, dequantize_int6 = grouped_functions("int6", _quantize_packed, _dequantize_packed)

@@ -50,7 +50,7 @@ class Scheme:
 
     @property
     def grouped(self) -> bool:
-        """Whether the scheme keeps a scale and bias per group of columns (affine INT8/INT4/INT3)."""
+        """Whether the scheme keeps a scale and bias per group of columns (affine INT2..INT6, group-wise INT8)."""
         return bool(self.group_sizes)
 
     @property
@@ -107,8 +107,10 @@ SCHEMES: dict[str, Scheme] = {
         _from_rust("int8", Part("q", Role.CODES), Part("s", Role.ROW_SCALES)),
         _from_rust("int8g", Part("q8", Role.CODES), Part("s8", Role.GROUP_SCALES), Part("z8", Role.GROUP_SCALES)),
         _from_rust("int4", Part("q4", Role.CODES), Part("s4", Role.GROUP_SCALES), Part("z4", Role.GROUP_SCALES)),
-        _from_rust("int3", Part("q3", Role.CODES), Part("s3", Role.GROUP_SCALES), Part("z3", Role.GROUP_SCALES)),
+        *(_from_rust(f"int{b}", Part(f"q{b}", Role.CODES), Part(f"s{b}", Role.GROUP_SCALES),
+                     Part(f"z{b}", Role.GROUP_SCALES)) for b in (3, 2, 5, 6)),
         Scheme("passthrough", (Part("pt", Role.STORED),)),
     )
 }
 QUANTIZED = tuple(name for name, s in SCHEMES.items() if s.quantized)
+WIDTHS: dict[int, str] = {2: "int2", 3: "int3", 4: "int4", 5: "int5", 6: "int6", 8: "int8g"}  # bits -> the group-wise scheme of that width

@@ -1,10 +1,12 @@
 """The MLX-native quantized tiers (`squish_4bit/`, `squish_3bit/` here; `squish_8bit/` in int8.py): each an
 MLX model directory.
 
-Built by a lossless repack of the store: the INT4 nibbles reinterpret as MLX's uint32 words, INT3 and
+Built by a lossless repack of the store: the INT4 nibbles reinterpret as MLX's uint32 words, INT2/3/5/6 and
 group-wise INT8 are stored in MLX's own layout already, and scales/offsets are kept in the runtime dtype, so
-`mx.dequantize` of this tier equals the cold tier's Rust dequantization bit for bit. Tensors stored any other way go in dense. The directory
-is a complete mlx_lm model (config.json with "quantization", tokenizer files): `mlx_lm.load` opens it too.
+`mx.dequantize` of this tier equals the cold tier's Rust dequantization bit for bit. Every group-wise tensor is held
+at its own width: a mixed store's (docs/format.md §6.3) with the per-layer "quantization" entries mlx_lm.convert
+writes for mixed recipes. Tensors stored any other way go in dense. The directory is a complete mlx_lm model
+(config.json with "quantization", tokenizer files): `mlx_lm.load` opens it too.
 
 The repack is a byte copy: the store's parts (memory-mapped) and the cold path's dense buffers are streamed into
 one safetensors file as they are, checksummed while written.
@@ -36,6 +38,7 @@ from ..io.files import read_json
 from ..io.sentinel import write_sentinel
 from ..npydir import NpyDir
 from ..quant import mlx_words
+from ..quant.schemes import SCHEMES
 from ..memory import load_each_parallel, load_files_parallel, prefetch
 from .base import Loaded, Tier, mlx_names
 from .mlx import ALIGN, METADATA, load_safetensors
@@ -70,13 +73,16 @@ class QuantizedTier(Tier):
         cls.sentinel = f".{cls.directory}_ready"
 
     def unavailable(self, store: NpyDir) -> str | None:
-        if self.scheme not in store.manifest.schemes:
+        """A store of the tier's format (its scheme that of the store's linears), or one holding tensors of the
+        tier's scheme, has one, holding all its group-wise tensors (at least one) at their widths."""
+        schemes = store.manifest.schemes
+        if self.scheme not in {*schemes, store.manifest.scheme} or not any(SCHEMES[s].grouped for s in schemes):
             return f"only an {self.scheme} store has one: compress with format={self.scheme}"
         return None
 
     def needs_dense(self, store: NpyDir) -> set[str]:
-        """Only the tensors stored another way: those of the tier's scheme are repacked from the store's parts."""
-        return {name for name, entry in store.entries.items() if entry.scheme != self.scheme}
+        """Only the tensors not stored group-wise: the others are repacked from the store's parts."""
+        return {name for name, entry in store.entries.items() if not entry.kind.grouped}
 
     def nbytes(self, store: NpyDir) -> int:
         """The built tier's file (read from the store instead, the plan counts the store's parts: Plan.nbytes)."""
@@ -127,19 +133,19 @@ class QuantizedTier(Tier):
         weights = {key: raw[key].view(part.dtype).reshape(part.shape) for key, part in parts.items()}
         weights = {key: a if a.dtype in (mx.uint32, runtime) else a.astype(runtime) for key, a in weights.items()}
         for name, entry in store.entries.items():
-            if entry.scheme != self.scheme and entry.kind.quantized:
+            if entry.kind.quantized and not entry.kind.grouped:  # per-row INT8: MLX has no such layer
                 weights[names[name]] = mx.array(store.dequantize(name)).view(runtime)
         return Loaded(weights, self.config(store), self.name)
 
     def _parts(self, store: NpyDir, names: dict[str, str]) -> dict[str, _StoredPart]:
-        """mlx_lm parameter name -> the part read as it, for each part of the tier's scheme and each tensor stored
+        """mlx_lm parameter name -> the part read as it, for each part of a group-wise tensor and each tensor stored
         exactly (`names`: canonical name -> mlx_lm name)."""
         parts = {}
         for name, entry in store.entries.items():
             if not entry.kind.quantized:
                 read_as = {entry.kind.suffixes[0]: (MX_DTYPES[entry.stored_dtype], list(entry.shape))}
                 keys = (names[name],)
-            elif entry.scheme == self.scheme:
+            elif entry.kind.grouped:
                 lead, cols = list(entry.shape[:-1]), entry.shape[-1]
                 scales = (MX_DTYPES[entry.scale_dtype], [*lead, cols // entry.group_size])
                 codes = (mx.uint32, [*lead, entry.kind.uint32_cols(cols)])
@@ -155,12 +161,20 @@ class QuantizedTier(Tier):
         return parts
 
     def config(self, store: NpyDir) -> dict:
-        """The tier's config.json: the store's, with the quantization its file holds."""
-        group_size = min(e.group_size for e in store.entries.values() if e.scheme == self.scheme)
+        """The tier's config.json: the store's, with the quantization its file holds. The top level names the
+        tier's width and its common group size; each layer at another width gets its own entry, keyed by module
+        path, as mlx_lm.convert writes a mixed recipe (mlx_lm infers a layer's group size from its scales' shape,
+        and its width too, but only where the config names none)."""
+        grouped = [e for e in store.entries.values() if e.kind.grouped]
+        group_size = min(e.group_size for e in [e for e in grouped if e.scheme == self.scheme] or grouped)
         config = store.config()
-        # mlx_lm infers each layer's own group size from its scales' shape; the top level names the common one.
-        config["quantization"] = {"group_size": group_size, "bits": self.bits, "mode": "affine"}
-        config["quantization_config"] = config["quantization"]
+        quantization = {"group_size": group_size, "bits": self.bits, "mode": "affine"}
+        for name, mlx_name in mlx_names(store).items():
+            entry = store.entries[name]
+            if entry.kind.grouped and entry.kind.bits != self.bits:
+                module = mlx_name.removesuffix(".weight")
+                quantization[module] = {"group_size": entry.group_size, "bits": entry.kind.bits, "mode": "affine"}
+        config["quantization"] = config["quantization_config"] = quantization
         return config
 
     def tensors(self, store: NpyDir, dense: dict[str, np.ndarray] | None = None) -> list[Tensor]:
@@ -170,7 +184,7 @@ class QuantizedTier(Tier):
         names = mlx_names(store)
         tensors = []
         for name, entry in store.entries.items():
-            if entry.scheme == self.scheme:
+            if entry.kind.grouped:
                 q_part, s_part, z_part = entry.kind.suffixes
                 lead, cols = list(entry.shape[:-1]), entry.shape[-1]
                 words = entry.kind.uint32_cols(cols)
@@ -213,7 +227,7 @@ class QuantizedTier(Tier):
         return {}
 
     def _words(self, store: NpyDir, name: str, suffix: str):
-        return lambda: mlx_words(self.scheme, store.load_part(name, suffix))
+        return lambda: mlx_words(store.entry(name).scheme, store.load_part(name, suffix))
 
 
 def _read_parts(store: NpyDir, parts: dict[str, _StoredPart], lazy: bool) -> dict[str, mx.array]:

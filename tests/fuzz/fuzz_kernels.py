@@ -35,6 +35,7 @@ DTYPES = [np.float32, np.float16, np.uint16, np.int8, np.uint8, np.uint32, np.in
           np.complex64]
 NAMES = ["float32", "float16", "bfloat16", "int8", "", "float64", "bf16", "float32\0", "FLOAT32"]
 GROUPS = [32, 64, 128, 0, -1, 1, 3, 16, 31, 2**31, -(2**63), 2**63 - 1, 256]
+BITSTREAM = [2, 3, 5, 6]  # the widths packed as mx.quantize's bitstream, in uint32 words
 SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e38, -1e38, 6.5e4, 1e-45]
 ALLOWED = (TypeError, QuantizationError)
 MMAP_DIR = Path(tempfile.mkdtemp(prefix="squishlike-fuzzk-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
@@ -97,31 +98,31 @@ def call(d: Decoder) -> None:
         out = d.array(d.shape((rows, cols)), np.float32)
         rq.dequantize_int8(qq, s, out, d.pick(NAMES))
     elif op in (2, 3):
-        bits, word = (4, np.uint8) if op == 2 else (3, np.uint32)
+        bits, word = (4, np.uint8) if op == 2 else (d.pick(BITSTREAM), np.uint32)
         w = d.array(d.shape((rows, cols)), np.float32)
         g = max(1, group) if d.int(0, 3) and 0 < group < 2**31 else group
-        words = cols // 2 if bits == 4 else cols * 3 // 32
+        words = cols // 2 if bits == 4 else cols * bits // 32
         ng = cols // g if isinstance(g, int) and 0 < g < 2**31 else 1
         packed = d.array(d.shape((rows, words)), word)
         s, z = d.array(d.shape((rows, ng)), np.float32), d.array(d.shape((rows, ng)), np.float32)
-        fn = rq.quantize_int4 if bits == 4 else rq.quantize_int3
+        fn = getattr(rq, f"quantize_int{bits}")
         fn(w, d.pick(NAMES), g, d.pick(NAMES), d.bool(), packed, s, z)
     elif op in (4, 5):
-        bits, word = (4, np.uint8) if op == 4 else (3, np.uint32)
-        words = cols // 2 if bits == 4 else cols * 3 // 32
+        bits, word = (4, np.uint8) if op == 4 else (d.pick(BITSTREAM), np.uint32)
+        words = cols // 2 if bits == 4 else cols * bits // 32
         ng = cols // group if 0 < group < 2**31 else 1
         packed = d.array(d.shape((rows, words)), word)
         s, z = d.array(d.shape((rows, ng)), np.float32), d.array(d.shape((rows, ng)), np.float32)
         out = d.array(d.shape((rows, cols)), np.float32)
-        fn = rq.dequantize_int4 if bits == 4 else rq.dequantize_int3
+        fn = getattr(rq, f"dequantize_int{bits}")
         fn(packed, s, z, out, group, d.pick(NAMES), d.pick(NAMES))
     elif op in (6, 7):
-        bits, word = (4, np.uint8) if op == 6 else (3, np.uint32)
+        bits, word = (4, np.uint8) if op == 6 else (d.pick(BITSTREAM), np.uint32)
         codes = d.array(d.shape((rows, cols)), np.uint8)
-        words = cols // 2 if bits == 4 else cols * 3 // 32
+        words = cols // 2 if bits == 4 else cols * bits // 32
         packed = d.array(d.shape((rows, words)), word)
-        (rq.pack_int4 if bits == 4 else rq.pack_int3)(codes, packed)
-        (rq.unpack_int4 if bits == 4 else rq.unpack_int3)(packed, d.array(d.shape((rows, cols)), np.uint8))
+        getattr(rq, f"pack_int{bits}")(codes, packed)
+        getattr(rq, f"unpack_int{bits}")(packed, d.array(d.shape((rows, cols)), np.uint8))
     else:
         # The public wrappers on well-formed input: must match the NumPy reference bit for bit.
         g = d.pick([32, 64])

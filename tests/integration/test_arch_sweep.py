@@ -1,10 +1,12 @@
 """Any architecture mlx_lm builds loads and compresses: a sweep over tiny random-weight models of many families.
 
-For each: squishlike.load(src) has mlx_lm.load(src)'s parameters bit for bit; an INT8 and an INT4 store load
+For each: squishlike.load(src) has mlx_lm.load(src)'s parameters bit for bit; an INT8 and a mixed INT4 store (each
+tensor at a width drawn at random from 2, 3, 4, 5, 6 and 8 bits, seeded by the type: `bits=` rules) load
 bit-identically from every tier, and each is mlx_lm's model of the source with weights no further from the
 source's than mlx_lm's own quantization puts them:
-- every weight, by name, is within the error mlx_lm's quantization of that tensor has at the store's bits and group
-  size (`mx.quantize`; 10% slack, QUANTIZATION_SLACK), and exact (to float rounding) where it cannot take it;
+- every weight, by name, is within the error mlx_lm's quantization of that tensor has at its width in the store and
+  the store's group size (`mx.quantize`; 10% slack, QUANTIZATION_SLACK), and exact (to float rounding) where it
+  cannot take it;
 - the store's model gives bit for bit the logits of mlx_lm's model of the source given the store's weights (the
   store's config builds the same model).
 On the 121 swept types the INT4 store's weights are at most 0.97x mlx_lm's 4-bit error (clip search; 1.008x on
@@ -23,6 +25,8 @@ differs by -0.21..+0.14. Yet a wrong tensor can move it less (a router of the ne
 
 from __future__ import annotations
 
+import glob
+import random
 import shutil
 
 import mlx.core as mx
@@ -34,7 +38,9 @@ from support.tiny_models import assert_same_weights, flat_params, make_hf_model
 
 import squishlike
 from squishlike.npydir import NpyDir
+from squishlike.quant.schemes import WIDTHS
 from squishlike.tiers import ORDER
+from squishlike.tiers.base import mlx_names
 
 TOKENS = [(7 * i + 3) % 300 for i in range(96)]  # fixed, inside the tokenizer's 300 ids
 # INT8 as compress does by default (embeddings and head quantized too: every family's quantized-embedding path).
@@ -73,15 +79,16 @@ def rms(a: mx.array) -> float:
 
 
 def assert_within_quantization(weights: dict[str, mx.array], source: dict[str, mx.array], bits: int,
-                               group_size: int) -> None:
+                               group_size: int, widths: dict[str, int] | None = None) -> None:
     """Each of `weights` is `source`'s weight of its name within the RMS error mlx_lm's quantization of that
-    tensor has (`bits`, `group_size`; with QUANTIZATION_SLACK), or within float rounding where that quantization
-    cannot take it."""
+    tensor has (at its width in `widths`, else `bits`, and `group_size`; with QUANTIZATION_SLACK), or within float
+    rounding where that quantization cannot take it."""
     assert weights.keys() == source.keys()
     for name, want in source.items():
         got = weights[name]
         assert got.dtype == want.dtype, name
         bound = ROUNDING * rms(want)
+        bits = (widths or {}).get(name, bits)
         if want.ndim >= 2 and want.shape[-1] % group_size == 0:
             quantized = mx.quantize(want, group_size=group_size, bits=bits)
             bound += QUANTIZATION_SLACK * rms(mx.dequantize(*quantized, group_size=group_size, bits=bits) - want)
@@ -115,7 +122,8 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         assert value.dtype == got[name].dtype and mx.array_equal(value, got[name]).item(), name
 
     for fmt in ("int8", "int4"):
-        out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, tiers=ALL_TIERS, **OPTIONS[fmt])
+        bits = random_widths(src, arch) if fmt == "int4" else ()
+        out = squishlike.compress(src, tmp_path / fmt, scheme=fmt, tiers=ALL_TIERS, bits=bits, **OPTIONS[fmt])
         store = NpyDir(out)
         assert any(e.kind.quantized for e in store.entries.values()), "the model has weights to quantize"
         first, _ = squishlike.load(out)  # the first load: the cold path, building every tier the policy asks for
@@ -125,10 +133,20 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         for model in (*(squishlike.load(out, tier=tier)[0] for tier in built), dense):
             assert_same_weights(first, model)
         weights = flat_params(dense)
-        assert_within_quantization(weights, source, BITS[fmt], OPTIONS[fmt]["group_size"])
+        widths = {mlx: store.entries[name].kind.bits for name, mlx in mlx_names(store).items()
+                  if store.entries[name].kind.grouped}  # per-row INT8 (a router) is checked at the store's bits
+        assert_within_quantization(weights, source, BITS[fmt], OPTIONS[fmt]["group_size"], widths)
         reference.load_weights(list(weights.items()))
         tokens = mx.array([TOKENS])
         assert mx.array_equal(dense(tokens), reference(tokens)).item(), f"{fmt}: the store's model is not mlx_lm's"
+
+
+def random_widths(src, arch: str) -> tuple[tuple[str, int], ...]:
+    """`bits=` rules giving each of the source's tensors a width drawn at random, seeded by the model type (the
+    rules of tensors the store keeps exact, or per row at 8 bits, match nothing it quantizes)."""
+    draw = random.Random(arch)
+    with squishlike.open_weights(src) as provider:
+        return tuple((glob.escape(name), draw.choice(list(WIDTHS))) for name in provider.names())
 
 
 # The dtype check's default-suite share: the sweep's, one type whose cast_predicate keeps a tensor in float32 of

@@ -17,7 +17,7 @@ def weight(smollm_gguf):
         return np.asarray(provider.get("layers.2.ffn.up.weight"), np.float32)
 
 
-@pytest.mark.parametrize("scheme,group", [("int4", 64), ("int4", 32), ("int3", 32)])
+@pytest.mark.parametrize("scheme,group", [("int4", 64), ("int4", 32), ("int3", 32), ("int2", 64), ("int5", 64), ("int6", 32)])
 @pytest.mark.parametrize("clip", [False, True])
 def test_mlx_form_gives_the_kernels_values(weight, scheme, group, clip):
     qz = Quantizer(scheme, group, "bfloat16", clip)

@@ -24,8 +24,8 @@ def smollm_layer(smollm_gguf):
     return w, np.ascontiguousarray(embeddings[:: len(embeddings) // 512][:512])
 
 
-def output_error(x, w, parts):
-    w_hat = quant.dequantize("int4", *parts, group_size=64, scale_dtype="bfloat16", out_dtype="float32")
+def output_error(x, w, parts, scheme="int4"):
+    w_hat = quant.dequantize(scheme, *parts, group_size=64, scale_dtype="bfloat16", out_dtype="float32")
     d = x.astype(np.float64) @ (w - w_hat).T.astype(np.float64)
     return float(np.sum(d * d))
 
@@ -44,19 +44,25 @@ def test_factor_is_the_inverse_hessians(smollm_layer):
     np.testing.assert_allclose(u.T.astype(np.float64) @ u @ h, np.eye(len(h)), atol=2e-3)
 
 
-def test_gptq_lowers_the_output_error_on_the_stores_grid(smollm_layer):
+WIDTHS = ["int4", "int2", "int3", "int5", "int6", "int8g"]
+
+
+@pytest.mark.parametrize("scheme", WIDTHS)
+def test_gptq_lowers_the_output_error_on_the_stores_grid(smollm_layer, scheme):
     w, x = smollm_layer
-    parts = gptq(w, "float32", QZ, inverse_hessian_factor(x))
-    nearest = quant.quantize("int4", w, group_size=64, scale_dtype="bfloat16", clip_search=True)
+    parts = gptq(w, "float32", Quantizer(scheme, 64, "bfloat16", clip_search=True), inverse_hessian_factor(x))
+    nearest = quant.quantize(scheme, w, group_size=64, scale_dtype="bfloat16", clip_search=True)
     assert [(p.shape, p.dtype) for p in parts] == [(p.shape, p.dtype) for p in nearest]
-    assert output_error(x, w, parts) < 0.8 * output_error(x, w, nearest)
+    assert output_error(x, w, parts, scheme) < 0.8 * output_error(x, w, nearest, scheme)
 
 
-def test_uncorrelated_inputs_give_round_to_nearest(smollm_layer):
+@pytest.mark.parametrize("scheme", WIDTHS)
+def test_uncorrelated_inputs_give_round_to_nearest(smollm_layer, scheme):
     """With H a multiple of I no error has anywhere to go: the codes and grid are plain rounding's, bit for bit."""
     w, _ = smollm_layer
-    parts = gptq(w, "float32", QZ, inverse_hessian_factor(np.eye(w.shape[1], dtype=np.float32)))
-    nearest = quant.quantize("int4", w, group_size=64, scale_dtype="bfloat16", clip_search=True)
+    qz = Quantizer(scheme, 64, "bfloat16", clip_search=True)
+    parts = gptq(w, "float32", qz, inverse_hessian_factor(np.eye(w.shape[1], dtype=np.float32)))
+    nearest = quant.quantize(scheme, w, group_size=64, scale_dtype="bfloat16", clip_search=True)
     for got, want in zip(parts, nearest):
         assert np.array_equal(got, want)
 

@@ -4,6 +4,7 @@ manifest's lossless round trip; and its strict validation, one typed error per k
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from squishlike import rust_quant
 from squishlike.errors import FormatError
 from squishlike.npydir import SCHEMES, Manifest, NpyDir, Role, read_source
 from squishlike.quant import reference as ref
+from squishlike.quant.schemes import WIDTHS
 from support.fixtures import FORMAT1_STORE
 
 # ---------------------------------------------------------------------------------------------------------------
 # the scheme table
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int8g", "int4", "int3"])
+@pytest.mark.parametrize("scheme", ["int8", "int8g", "int4", "int3", "int2", "int5", "int6"])
 def test_scheme_table_is_the_rust_crates(scheme):
     rust, table = rust_quant.SCHEMES[scheme], SCHEMES[scheme]
     assert (table.bits, table.group_sizes, table.block, table.block_words) == (
@@ -33,7 +35,7 @@ def test_scheme_table_is_the_rust_crates(scheme):
 @pytest.mark.parametrize("scheme,levels,group_sizes,pack", [
     ("int8g", ref.INT8G_LEVELS, ref.INT8G_GROUP_SIZES, np.ascontiguousarray),  # one code per byte
     ("int4", ref.INT4_LEVELS, ref.INT4_GROUP_SIZES, ref.pack_int4),
-    ("int3", ref.INT3_LEVELS, ref.INT3_GROUP_SIZES, ref.pack_int3),
+    *((f"int{b}", 2**b - 1, ref.INT3_GROUP_SIZES, functools.partial(ref.pack_bits, bits=b)) for b in (2, 3, 5, 6)),
 ])
 def test_scheme_table_agrees_with_the_numpy_spec(scheme, levels, group_sizes, pack):
     table = SCHEMES[scheme]
@@ -44,7 +46,7 @@ def test_scheme_table_agrees_with_the_numpy_spec(scheme, levels, group_sizes, pa
         assert table.unpacked_cols(packed.shape[1]) == cols
 
 
-@pytest.mark.parametrize("scheme", ["int8g", "int4", "int3"])
+@pytest.mark.parametrize("scheme", ["int8g", "int4", "int3", "int2", "int5", "int6"])
 def test_scheme_table_agrees_with_mx_quantize(scheme):
     """The group sizes are exactly those mx.quantize takes, and the packed width fills its uint32 words."""
     table = SCHEMES[scheme]
@@ -58,6 +60,11 @@ def test_scheme_table_agrees_with_mx_quantize(scheme):
         accepted.append(group)
         assert words.shape[-1] == table.uint32_cols(256)
     assert tuple(accepted) == table.group_sizes
+
+
+def test_widths_name_the_group_wise_scheme_of_each_width():
+    assert {bits: SCHEMES[scheme].bits for bits, scheme in WIDTHS.items()} == {b: b for b in WIDTHS}
+    assert all(SCHEMES[scheme].grouped for scheme in WIDTHS.values())
 
 
 def test_part_specs_follow_the_tensor_shape():

@@ -125,10 +125,16 @@ def test_int8_known_values():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# INT4 / INT3 quantize and dequantize
+# INT2..INT6 quantize and dequantize
+
+AFFINE_BITS = [4, 3, 2, 5, 6]
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+def pack(bits: int, codes: np.ndarray) -> np.ndarray:
+    return rq.pack_int4(codes) if bits == 4 else rq.pack_bits(codes, bits)
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("scale_dtype", DTYPES)
 @SETTINGS
 @given(case=weight_cases(block=32, group_sizes=(32, 64, 128)), clip=st.booleans())
@@ -138,7 +144,7 @@ def test_affine_quantize_matches_reference(bits, scale_dtype, case, clip):
     assert_same_outcome(f"quantize_int{bits}", w, **kw)
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @SETTINGS
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -152,7 +158,7 @@ def test_affine_dequantize_matches_reference(bits, seed, lead, group, scale_dtyp
     rng = np.random.default_rng(seed)
     rows, cols = int(np.prod(lead)), group * int(rng.integers(1, 4))
     codes = rng.integers(0, 2**bits, size=(*lead, cols), dtype=np.uint8)
-    packed = rq.pack_int4(codes) if bits == 4 else rq.pack_int3(codes)
+    packed = pack(bits, codes)
     scales, biases = (as_src(finite_bits(rng, (rows, cols // group)), scale_dtype) for _ in range(2))
     if scale_dtype == "float16":  # drop the infinities the float16 cast made; dequantize's input is finite
         scales, biases = (np.nan_to_num(a, posinf=1, neginf=-1) for a in (scales, biases))
@@ -161,7 +167,7 @@ def test_affine_dequantize_matches_reference(bits, seed, lead, group, scale_dtyp
     assert_same(getattr(rq, name)(packed, scales, biases, **kw), getattr(ref, name)(packed, scales, biases, **kw))
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("scale_dtype", DTYPES)
 def test_round_trip_error_is_small(bits, scale_dtype):
     w = make_weights(1, "normal", (16, 256))
@@ -169,10 +175,10 @@ def test_round_trip_error_is_small(bits, scale_dtype):
     parts = quantize(w, scale_dtype=scale_dtype)
     back = dequantize(*parts, group_size=64, scale_dtype=scale_dtype, out_dtype="float32")
     rel = np.linalg.norm(back - w) / np.linalg.norm(w)
-    assert rel < (0.12 if bits == 4 else 0.25)
+    assert rel < {2: 0.6, 3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03}[bits]
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("scale_dtype", DTYPES)
 def test_clip_search_never_worse(bits, scale_dtype):
     """The search measures the error the runtime will see; it keeps RTN unless a narrower range beats it."""
@@ -187,7 +193,8 @@ def test_clip_search_never_worse(bits, scale_dtype):
     # float32 output holds every scale-dtype value exactly, so this is the error the search minimised (up to the
     # order of the float64 sum)
     rtn, clipped = group_errors(False), group_errors(True)
-    assert np.all(clipped <= rtn * (1 + 1e-12)) and clipped.sum() < 0.97 * rtn.sum()
+    gain = 0.97 if bits <= 4 else 1.0  # a finer grid leaves the search less to win (5 bits: 1.6 % here)
+    assert np.all(clipped <= rtn * (1 + 1e-12)) and clipped.sum() < gain * rtn.sum()
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES)
@@ -197,7 +204,7 @@ def test_many_rows_split_across_threads(out_dtype):
     assert_same(rq.quantize_int8(w), ref.quantize_int8(w))
     q, s = rq.quantize_int8(w)
     assert_same(rq.dequantize_int8(q, s, out_dtype=out_dtype), ref.dequantize_int8(q, s, out_dtype=out_dtype))
-    for bits in (4, 3):
+    for bits in AFFINE_BITS:
         parts = getattr(rq, f"quantize_int{bits}")(w, clip_search=True)
         assert_same(parts, getattr(ref, f"quantize_int{bits}")(w, clip_search=True))
         name = f"dequantize_int{bits}"
@@ -217,7 +224,7 @@ def test_affine_known_values():
 def test_signed_zero_groups_store_positive_zero():
     w = np.zeros((1, 64), np.float32)
     w[0, ::2] = -0.0
-    for bits in (4, 3):
+    for bits in AFFINE_BITS:
         _, s, z = getattr(rq, f"quantize_int{bits}")(w, scale_dtype="float32")
         assert s.view(np.uint32).tolist() == [[0]] and z.view(np.uint32).tolist() == [[0]]
 
@@ -236,21 +243,29 @@ def test_pack_int4_matches_reference(seed, shape):
     assert_same(ref.unpack_int4(packed), q.reshape(-1, shape[-1]))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
 @SETTINGS
 @given(st.integers(0, 2**32 - 1), st.sampled_from([(0, 32), (1, 32), (3, 64), (2, 2, 96)]))
-def test_pack_int3_matches_reference(seed, shape):
-    q = np.random.default_rng(seed).integers(0, 8, size=shape, dtype=np.uint8)
-    packed = rq.pack_int3(q)
-    assert_same(packed, ref.pack_int3(q))
-    assert_same(rq.unpack_int3(packed, shape[-1]), q.reshape(-1, shape[-1]))
-    assert_same(ref.unpack_int3(packed, shape[-1]), q.reshape(-1, shape[-1]))
+def test_pack_bits_matches_reference(bits, seed, shape):
+    q = np.random.default_rng(seed).integers(0, 2**bits, size=shape, dtype=np.uint8)
+    packed = rq.pack_bits(q, bits)
+    assert_same(packed, ref.pack_bits(q, bits))
+    assert_same(rq.unpack_bits(packed, shape[-1], bits), q.reshape(-1, shape[-1]))
+    assert_same(ref.unpack_bits(packed, shape[-1], bits), q.reshape(-1, shape[-1]))
 
 
-def test_int3_bit_layout():
-    """Element k sits at bits 3k..3k+2 of the row's little-endian stream: element 10 straddles words 0 and 1."""
+@pytest.mark.parametrize("bits, element, words", [
+    (3, 10, [0b11 << 30, 0b1, 0]),  # element 10 at bits 30..32 straddles words 0 and 1
+    (5, 6, [0b11 << 30, 0b111, 0, 0, 0]),  # element 6 at bits 30..34
+    (6, 5, [0b11 << 30, 0b1111, 0, 0, 0, 0]),  # element 5 at bits 30..35
+    (2, 16, [0, 0b11]),  # 16 whole codes per word
+])
+def test_bitstream_layout(bits, element, words):
+    """Element k sits at bits bits*k.. of the row's little-endian stream, split LSB first across a word boundary."""
     q = np.zeros((1, 32), np.uint8)
-    q[0, 10] = 0b111
-    assert rq.pack_int3(q).tolist() == [[0b11 << 30, 0b1, 0]]
+    q[0, element] = 2**bits - 1
+    assert rq.pack_bits(q, bits).tolist() == [words]
+    assert ref.pack_bits(q, bits).tolist() == [words]
 
 
 def test_int4_to_mlx_is_a_view():
@@ -271,7 +286,7 @@ def test_int4_to_mlx_is_a_view():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("name", ["quantize_int8", "quantize_int4", "quantize_int3"])
+@pytest.mark.parametrize("name", ["quantize_int8", "quantize_int4", "quantize_int3", "quantize_int2", "quantize_int6"])
 @pytest.mark.parametrize("module", [rq, ref], ids=["rust", "reference"])
 def test_non_finite_input_is_rejected(module, name, bad):
     w = np.ones((2, 64), np.float32)
@@ -300,6 +315,12 @@ def test_bad_group_sizes_and_shapes(module):
         module.pack_int3(np.zeros((1, 16), np.uint8))
     with pytest.raises(QuantizationError):
         module.unpack_int3(np.zeros((1, 3), np.uint32), 64)
+    with pytest.raises(QuantizationError, match="values must be 0..31"):
+        module.pack_bits(np.full((1, 32), 32, np.uint8), 5)
+    with pytest.raises(QuantizationError):
+        module.unpack_bits(np.zeros((1, 5), np.uint32), 64, 6)
+    with pytest.raises(QuantizationError, match="not divisible"):
+        module.quantize_int6(np.ones((2, 48), np.float32), group_size=32)
     packed, s, z = module.quantize_int4(np.ones((2, 128), np.float32))
     with pytest.raises(QuantizationError, match="scales"):
         module.dequantize_int4(packed, s[:1], z, group_size=64)

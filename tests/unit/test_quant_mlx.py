@@ -1,4 +1,4 @@
-"""INT4/INT3 against MLX itself: our packing is MLX's, and our dequantization is mx.dequantize's, bit for bit, for
+"""INT2..INT6 against MLX itself: our packing is MLX's, and our dequantization is mx.dequantize's, bit for bit, for
 every scale dtype and output dtype (the 4-bit tier repacks an INT4 store losslessly: docs/format.md §6.6)."""
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+def pack(bits: int, codes: np.ndarray) -> np.ndarray:
+    return rq.pack_int4(codes) if bits == 4 else rq.pack_bits(codes, bits)
+
+
 def to_words(bits: int, packed: np.ndarray) -> np.ndarray:
     """Our packed codes as the uint32 words mx.quantize/mx.dequantize use."""
     return rq.int4_to_mlx(packed) if bits == 4 else packed
@@ -40,17 +44,17 @@ def weights(seed: int, shape=(8, 256)) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, 3, 2, 5, 6])
 def test_packing_layout_is_mlx(bits):
     """mx.dequantize with scale 1 and bias 0 reads back exactly the codes we packed."""
     codes = np.random.default_rng(0).integers(0, 2**bits, size=(4, 128), dtype=np.uint8)
-    words = to_words(bits, rq.pack_int4(codes) if bits == 4 else rq.pack_int3(codes))
+    words = to_words(bits, pack(bits, codes))
     ones, zeros = mx.ones((4, 4), dtype=mx.float32), mx.zeros((4, 4), dtype=mx.float32)
     got = mx.dequantize(mx.array(words), ones, zeros, group_size=32, bits=bits)
     assert np.array_equal(np.array(got), codes.astype(np.float32))
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, 3, 2, 5, 6])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", DTYPES)
 @pytest.mark.parametrize("out_dtype", DTYPES)
@@ -62,7 +66,7 @@ def test_dequantize_equals_mx_dequantize(bits, group, scale_dtype, out_dtype):
     rng = np.random.default_rng(bits * group)
     codes = rng.integers(0, 2**bits, size=(8, 256), dtype=np.uint8)
     rand = (
-        rq.pack_int4(codes) if bits == 4 else rq.pack_int3(codes),
+        pack(bits, codes),
         ref.from_float32(rng.standard_normal((8, 256 // group)).astype(np.float32) * np.float32(0.05), scale_dtype),
         ref.from_float32(rng.standard_normal((8, 256 // group)).astype(np.float32), scale_dtype),
     )
@@ -79,7 +83,7 @@ def test_dequantize_equals_mx_dequantize(bits, group, scale_dtype, out_dtype):
         assert same_bits(ours, from_mx(theirs, out_dtype))
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, 3, 2, 5, 6])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("in_dtype", DTYPES)
 def test_mx_quantize_output_unpacks_consistently(bits, group, in_dtype):
@@ -95,16 +99,16 @@ def test_mx_quantize_output_unpacks_consistently(bits, group, in_dtype):
         assert same_bits(rq.int4_to_mlx(rq.pack_int4(codes)), words_np)
     else:
         packed = words_np
-        codes = rq.unpack_int3(packed, cols)
-        assert same_bits(rq.pack_int3(codes), words_np)
+        codes = rq.unpack_bits(packed, cols, bits)
+        assert same_bits(rq.pack_bits(codes, bits), words_np)
     assert codes.shape == (8, cols) and codes.max() < 2**bits
-    ours = rq.dequantize_int4 if bits == 4 else rq.dequantize_int3
+    ours = getattr(rq, f"dequantize_int{bits}")
     got = ours(packed, s, z, group_size=group, scale_dtype=scale_dtype, out_dtype=scale_dtype)
     theirs = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
     assert same_bits(got, from_mx(theirs, scale_dtype))
 
 
-@pytest.mark.parametrize("scheme, bits", [("int4", 4), ("int3", 3)])
+@pytest.mark.parametrize("scheme, bits", [("int4", 4), ("int3", 3), ("int2", 2), ("int5", 5), ("int6", 6)])
 def test_from_mlx_words_is_the_stored_packing(scheme, bits):
     """mx.quantize's words of a 3-D expert stack as the store's codes part (rows flattened): our kernels
     dequantize them to mx.dequantize's values, and mlx_words turns them back into the same words."""

@@ -41,12 +41,19 @@ def test_runs():
     assert runs(np.array([], dtype=np.int64)) == []
 
 
-@pytest.mark.parametrize("fmt,group_size", [("int8", 32), ("int4", 32), ("int4", 128), ("int3", 64)])
-def test_slices_equal_the_whole_tensor_cut(tmp_path, qwen2, fmt, group_size):
+# A mixed store (docs/format.md §4.7): every bitstream width and 8 bits beside the store's 4
+MIXED = (("*.attention.q.*", 2), ("*.attention.k.*", 3), ("*.ffn.up.*", 5), ("*.ffn.gate.*", 6), ("*.ffn.down.*", 8))
+
+
+@pytest.mark.parametrize("fmt,group_size,bits", [("int8", 32, ()), ("int4", 32, ()), ("int4", 128, ()),
+                                                 ("int3", 64, ()), ("int4", 32, MIXED), ("int4", 128, MIXED)])
+def test_slices_equal_the_whole_tensor_cut(tmp_path, qwen2, fmt, group_size, bits):
     """Any ascending indices along any axis, cuts inside a quantization group included: the same values as
     dequantizing the whole tensor and cutting it, and never more than the whole groups touched are read."""
-    squishlike.compress(qwen2, tmp_path / fmt, scheme=fmt, group_size=group_size, tiers=[], int3_gate=False)
+    squishlike.compress(qwen2, tmp_path / fmt, scheme=fmt, group_size=group_size, bits=bits, tiers=[],
+                        int3_gate=False)
     store = NpyDir(tmp_path / fmt)
+    assert not bits or {"int2", "int3", "int5", "int6", "int8g"} < store.manifest.schemes
     reader = SliceReader(store)
     for name in store.entries:
         whole = store.dequantize(name)
@@ -75,10 +82,11 @@ def _records(caplog) -> list[dict]:
     return [r.shard_load for r in caplog.records if hasattr(r, "shard_load")]
 
 
-def test_tensor_shares_rebuild_the_model(tmp_path, qwen2, caplog):
+@pytest.mark.parametrize("bits", [(), MIXED], ids=["int4", "mixed"])
+def test_tensor_shares_rebuild_the_model(tmp_path, qwen2, caplog, bits):
     """Both ranks' shares, put back together along the axis each was cut, are the single-process weights; an INT4
-    g128 store cut at column 64 of 128 (inside a group) included."""
-    squishlike.compress(qwen2, tmp_path / "store", scheme="int4", group_size=128, tiers=["finalized"])
+    g128 store cut at column 64 of 128 (inside a group) included, and one with every width."""
+    squishlike.compress(qwen2, tmp_path / "store", scheme="int4", group_size=128, bits=bits, tiers=["finalized"])
     whole = flat_params(squishlike.load(tmp_path / "store")[0])
     caplog.set_level(logging.DEBUG, logger="squishlike")
     shares = [flat_params(squishlike.sharded_load(tmp_path / "store", tensor_group=Group(r, 2))[0]) for r in range(2)]
