@@ -405,13 +405,15 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
         parts = _quantize(array, src_dtype, scheme, opts, runtime)
     except ValueError as e:
         raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
-    if plan is None or error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]:
+    sized = plan is not None and plan.sized(name)  # a size target's width stays, outlier or not: the plan chose it
+    # knowing its loss, and the bytes of an exact tensor would break the target
+    if plan is None or (not sized and error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]):
         return entry, array, src_dtype, parts, False
     # GPTQ trades error in the weights for error in the layer's output: whether a tensor is an outlier is decided
     # on its plain rounding, just above, not on the compensated weights.
     compensated = plan.quantize(name, array, src_dtype, scheme)
     if compensated is None:
-        return entry, array, src_dtype, parts, False
+        return entry, array, src_dtype, parts, sized
     entry.reason += "; GPTQ (rounding errors compensated on the calibration inputs)"
     return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
 

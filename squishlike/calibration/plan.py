@@ -75,6 +75,10 @@ class Plan:
         longer hold them."""
         return self.transform.touches(name)
 
+    def sized(self, name: str) -> bool:
+        """Whether a size target (bits per weight) planned the width of `name`."""
+        return name in self.promote and "bpw" in self.record
+
     def scheme(self, name: str, scheme: str, reason: str) -> tuple[str, str]:
         if scheme != "passthrough" and name in self.promote:
             kept = self.promote[name]

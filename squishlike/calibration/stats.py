@@ -114,11 +114,12 @@ def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks:
     """Run block `block` (loaded) on the windows' hidden states, recording each group's input statistics: what
     the groups measured, and the block's outputs."""
     sinks = {g.name: _Sink() for g in groups}
-    originals = {}
+    originals = []  # (path, what was there): groups may record one module (mixed precision's one-linear groups and
+    # AWQ's q, k, v group read q's input), whose recorders then wrap each other and must come off in reverse
     try:
         for g in groups:
-            originals[g.module] = _replace(runner.model, g.module,
-                                           _Recorder(_module(runner.model, g.module), sinks[g.name], g.records_output))
+            originals.append((g.module, _replace(runner.model, g.module, _Recorder(_module(runner.model, g.module),
+                                                                                   sinks[g.name], g.records_output))))
         outputs = []
         for w, (h, pick) in enumerate(zip(runner.hidden if hidden is None else hidden, picks)):
             for sink in sinks.values():
@@ -126,7 +127,7 @@ def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks:
             outputs.append(runner.run_window(block, w, h))
             mx.eval(*[a for s in sinks.values() for a in s.arrays()])
     finally:
-        for path, original in originals.items():
+        for path, original in reversed(originals):
             _replace(runner.model, path, original)
     return _measured(sinks), outputs
 
