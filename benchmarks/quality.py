@@ -77,6 +77,11 @@ RECIPE_ROWS = [(f"mlx_lm {recipe} g64 (convert -q --quant-predicate {recipe} --d
                 {"quant_predicate": recipe, "q_group_size": 64, "dtype": "bfloat16"})
                for recipe in ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")]
 
+# mlx_lm's floating-point modes: their own group sizes and uint8 scales, no biases (mxfp4 4.25 bits a weight, nvfp4
+# 4.5, mxfp8 8.25)
+FP_ROWS = [(f"mlx_lm {mode} (convert -q --q-mode {mode} --dtype bfloat16)", "mlx_lm",
+            {"q_mode": mode, "dtype": "bfloat16"}) for mode in ("mxfp4", "nvfp4", "mxfp8")]
+
 
 def dynamic_widths(target: float) -> tuple[int, int]:
     """The two widths dynamic_quant mixes for a target: the pair whose g64 costs (low + 0.5 .. high + 0.5 bits a
@@ -92,7 +97,7 @@ DYNAMIC_ROWS = [(f"mlx_lm dynamic {low}/{high}-bit g64 at {t:g} bits a weight (m
 # squishlike's --bpw (each tensor 2..8 bits by measured sensitivity): skipped, with a note, until compress takes it
 BPW_ROWS = [(f"squishlike --bpw {t:g}", "npydir", {"scheme": "int4", "bpw": t})
             for t in (2.5, 3, 3.5, 4, 4.5, 5, 6, 8)]
-ROWS += BITS_ROWS + RECIPE_ROWS + DYNAMIC_ROWS + BPW_ROWS
+ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS
 
 # The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
 # the same real bytes") and the bar (0.8x the best mlx_lm model's KL in that window)
@@ -248,7 +253,7 @@ def _dynamic(model, config: dict, tokens: list[int], bits: int, group_size: int,
 CALIBRATED = {"gptq": _gptq, "awq": _awq, "dynamic": _dynamic}
 
 
-def evaluate_rows(args) -> tuple[list[dict], list[str]]:
+def evaluate_rows(args) -> tuple[list[dict], list[tuple[str, str]]]:
     """Every selected row built and evaluated; the rows skipped (a --bpw row compress cannot build), with why."""
     import mlx.core as mx
 
@@ -273,7 +278,7 @@ def evaluate_rows(args) -> tuple[list[dict], list[str]]:
             # a TypeError), or a target below the smallest store it can write (BudgetError, a ValueError)
             if "bpw" not in options:
                 raise
-            skipped.append(f"{label} ({str(e).split(';')[0]})")  # the reason, without the list of valid options
+            skipped.append((label, str(e).split(";")[0]))  # the reason, without the list of valid options
             print(f"   skipped: {e}", file=sys.stderr, flush=True)
 
     reference, tokenizer = ev.load_float32(gguf)
@@ -326,7 +331,7 @@ def evaluate_rows(args) -> tuple[list[dict], list[str]]:
     return results, skipped
 
 
-def markdown(results: list[dict], skipped: list[str], args) -> str:
+def markdown(results: list[dict], skipped: list[tuple[str, str]], args) -> str:
     from squishlike.evaluation import load_prompts
 
     ref = next((r for r in results if r["kind"] == "reference"), None)
@@ -367,8 +372,8 @@ def markdown(results: list[dict], skipped: list[str], args) -> str:
     lines += ["", "Bits a weight: the stored tensors' bytes (values, scales, biases, exact tensors) x 8 / "
               f"{results[0]['parameters']:,} parameters (mlx_lm's compute_bits_per_weight); tensors: those bytes; "
               "weights at rest: their files; every file: the whole directory."]
-    if skipped:
-        lines += ["", "Not built: " + "; ".join(skipped) + "."]
+    for reason in dict.fromkeys(why for _, why in skipped):
+        lines += ["", f"Not built ({reason}): {', '.join(label for label, why in skipped if why == reason)}."]
     return "\n".join(lines)
 
 
@@ -407,8 +412,10 @@ def family(row: dict) -> str | None:
     kind, options = row["kind"], row["options"]
     if kind == "npydir" and "bpw" in options:
         return "squishlike --bpw"
-    if kind == "mlx_lm":
-        return "mlx_lm mixed recipes" if "quant_predicate" in options else "mlx_lm uniform g64"
+    if kind == "mlx_lm" and "quant_predicate" in options:
+        return "mlx_lm mixed recipes"
+    if kind == "mlx_lm" and "q_bits" in options:
+        return "mlx_lm uniform g64"
     if kind == "mlx_lm_dynamic":
         return "mlx_lm dynamic_quant"
     return None
@@ -434,7 +441,7 @@ def pareto(results: list[dict], csv_path: Path) -> Path:
 def svg_chart(rows: list[dict], width: int = 1100, height: int = 640, margin: int = 70) -> str:
     """Real bits a weight across, mean KL down the side on a log scale: a line through each family's points
     (legend top right), squishlike's other stores as circles and mlx_lm's other models as squares, each labelled
-    (the label up to its parenthesis)."""
+    (a family's points up to the label's parenthesis)."""
     xs = [r["bpw"] for r in rows]
     ys = [math.log10(max(r["kl_mean"], 1e-9)) for r in rows]
     x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
@@ -474,8 +481,8 @@ def svg_chart(rows: list[dict], width: int = 1100, height: int = 640, margin: in
         colour = FAMILY_COLOURS.get(family(r), "#1f77b4" if r["kind"] == "npydir" else "#7f7f7f")
         mark = (f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}"/>' if r["kind"] == "npydir" else
                 f'<rect x="{x - 3.5:.1f}" y="{y - 3.5:.1f}" width="7" height="7" fill="{colour}"/>')
-        out.append(f'{mark}<text x="{x + 6:.1f}" y="{y + 3:.1f}" fill="{colour}">'
-                   f'{html.escape(r["label"].split(" (")[0])}</text>')
+        text = r["label"] if family(r) is None else r["label"].split(" (")[0]  # the legend names the method
+        out.append(f'{mark}<text x="{x + 6:.1f}" y="{y + 3:.1f}" fill="{colour}">{html.escape(text)}</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
@@ -487,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="only rows whose slug contains one of these")
     parser.add_argument("--json", type=Path, help="write the full results here")
     parser.add_argument("--markdown", type=Path, help="write the table here (else stdout only)")
-    parser.add_argument("--pareto", type=Path, help="write bits a weight against KL here (CSV, and an SVG chart beside it)")
+    parser.add_argument("--pareto", type=Path,
+                        help="write bits a weight against KL here (CSV, and an SVG chart beside it)")
     parser.add_argument("--targets", action="store_true",
                         help="add issue 33's bars: at each target bits a weight, the best mlx_lm model's KL x 0.8")
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
