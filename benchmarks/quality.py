@@ -1,12 +1,14 @@
-"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (8-bit and 4-bit,
-float32 and bfloat16 scales, and its calibrated methods: GPTQ, AWQ, dynamic quantization), against the
-unquantized reference, on the shipped evaluation prose; every row with its bytes at rest, and with --pareto the
-bytes-against-KL chart (an SVG, and the CSV of its points).
+"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (2- to 8-bit,
+its mixed recipes and floating-point modes, float32 and bfloat16 scales, and its calibrated methods: GPTQ, AWQ,
+dynamic quantization), against the unquantized reference, on the shipped evaluation prose; every row with its bytes
+at rest and its bits a weight, with --pareto the KL-against-bits-a-weight chart (an SVG, and the CSV of its
+points), and with --targets issue 33's bars (see benchmarks/README.md, "Bits per weight: the curve").
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/quality.py --workdir /tmp/squishlike-quality --markdown benchmarks/QUALITY.md
+    PYTHONPATH=. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/quality.py --workdir /tmp/squishlike-quality --json quality.json
 
-(the script re-executes itself with OpenBLAS preloaded when it finds it, so the LD_PRELOAD is optional).
+(PYTHONPATH=.: this checkout's squishlike rather than whichever one is installed; the script re-executes itself
+with OpenBLAS preloaded when it finds it, so the LD_PRELOAD is optional).
 
 Model: the embedded SmolLM2-135M-Instruct GGUF; reference: that GGUF as the provider reads it (Q4_1 dequantized,
 float32). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with the same code as `squishlike eval`:
