@@ -1,12 +1,14 @@
-"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (8-bit and 4-bit,
-float32 and bfloat16 scales, and its calibrated methods: GPTQ, AWQ, dynamic quantization), against the
-unquantized reference, on the shipped evaluation prose; every row with its bytes at rest, and with --pareto the
-bytes-against-KL chart (an SVG, and the CSV of its points).
+"""The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (2- to 8-bit,
+its mixed recipes and floating-point modes, float32 and bfloat16 scales, and its calibrated methods: GPTQ, AWQ,
+dynamic quantization), against the unquantized reference, on the shipped evaluation prose; every row with its bytes
+at rest and its bits a weight, with --pareto the KL-against-bits-a-weight chart (an SVG, and the CSV of its
+points), and with --targets issue 33's bars (see benchmarks/README.md, "Bits per weight: the curve").
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/quality.py --workdir /tmp/squishlike-quality --markdown benchmarks/QUALITY.md
+    PYTHONPATH=. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/quality.py --workdir /tmp/squishlike-quality --json quality.json
 
-(the script re-executes itself with OpenBLAS preloaded when it finds it, so the LD_PRELOAD is optional).
+(PYTHONPATH=.: this checkout's squishlike rather than whichever one is installed; the script re-executes itself
+with OpenBLAS preloaded when it finds it, so the LD_PRELOAD is optional).
 
 Model: the embedded SmolLM2-135M-Instruct GGUF; reference: that GGUF as the provider reads it (Q4_1 dequantized,
 float32). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with the same code as `squishlike eval`:
@@ -56,8 +58,6 @@ ROWS: list[tuple[str, str, dict]] = [
     ("mlx_lm 4-bit g64 GPTQ (mlx_lm.quant.gptq)", "mlx_lm_gptq", {"bits": 4, "group_size": 64}),
     ("mlx_lm 4-bit g64 AWQ, 10-point grid (mlx_lm.quant.awq)", "mlx_lm_awq",
      {"bits": 4, "group_size": 64, "n_grid": 10}),
-    ("mlx_lm dynamic 4/5-bit g64 at 5 bits a weight (mlx_lm.quant.dynamic_quant)", "mlx_lm_dynamic",
-     {"bits": 4, "group_size": 64, "high_bits": 5, "high_group_size": 64, "target_bpw": 5.0}),
     ("INT4 default (g64, AWQ+GPTQ+clip, embeddings INT4)", "npydir", {"format": "int4"}),
     ("INT4 g64 RTN", "npydir", {"format": "int4", **PLAIN}),
     ("INT4 g64 clip", "npydir", {"format": "int4", **PLAIN, "clip_search": True}),
@@ -71,6 +71,42 @@ ROWS: list[tuple[str, str, dict]] = [
     ("INT3 g32 AWQ+clip", "npydir", {"format": "int3", "group_size": 32, "awq": True, "clip_search": True}),
 ]
 
+# Issue 33's curve: mean KL against real bits per weight, a family of rows per method. mlx_lm's rows are in bfloat16
+# as a user's convert makes them, so b-bit g64 costs b + 0.5 bits a weight (a bfloat16 scale and bias per 64).
+BITS_ROWS = [(f"mlx_lm {b}-bit g64 (convert -q --dtype bfloat16)", "mlx_lm",
+              {"q_bits": b, "q_group_size": 64, "dtype": "bfloat16"}) for b in (2, 3, 5, 6)]
+RECIPE_ROWS = [(f"mlx_lm {recipe} g64 (convert -q --quant-predicate {recipe} --dtype bfloat16)", "mlx_lm",
+                {"quant_predicate": recipe, "q_group_size": 64, "dtype": "bfloat16"})
+               for recipe in ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")]
+
+# mlx_lm's floating-point modes: their own group sizes and uint8 scales, no biases (mxfp4 4.25 bits a weight, nvfp4
+# 4.5, mxfp8 8.25)
+FP_ROWS = [(f"mlx_lm {mode} (convert -q --q-mode {mode} --dtype bfloat16)", "mlx_lm",
+            {"q_mode": mode, "dtype": "bfloat16"}) for mode in ("mxfp4", "nvfp4", "mxfp8")]
+
+
+def dynamic_widths(target: float) -> tuple[int, int]:
+    """The two widths dynamic_quant mixes for a target: the pair whose g64 costs (low + 0.5 .. high + 0.5 bits a
+    weight) hold it; a target on a boundary takes the pair that starts there, so it comes out all the lower width."""
+    low = max(2, math.floor(target - 0.5))
+    return low, low + 1
+
+
+DYNAMIC_ROWS = [(f"mlx_lm dynamic {low}/{high}-bit g64 at {t:g} bits a weight (mlx_lm.quant.dynamic_quant)",
+                 "mlx_lm_dynamic", {"bits": low, "group_size": 64, "high_bits": high, "high_group_size": 64,
+                                    "target_bpw": t})
+                for t in (2.5, 3, 3.5, 4, 4.5, 5, 6) for low, high in [dynamic_widths(t)]]
+# squishlike's --bpw (each tensor 2..8 bits by measured sensitivity): skipped, with a note, until compress takes it
+BPW_ROWS = [(f"squishlike --bpw {t:g}", "npydir", {"scheme": "int4", "bpw": t})
+            for t in (2.5, 3, 3.5, 4, 4.5, 5, 6, 8)]
+ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS
+
+# The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
+# the same real bytes") and the bar (0.8x the best mlx_lm model's KL in that window)
+TARGETS = (3, 3.5, 4, 4.5, 5, 6)
+WINDOW = 0.02
+BAR = 0.8
+
 
 def slug(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
@@ -83,6 +119,26 @@ def weights_bytes(path: Path, kind: str) -> int:
     if kind == "npydir":
         return sum(p.stat().st_size for p in (path / "tensors").iterdir())
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def tensor_bytes(path: Path, kind: str) -> int:
+    """Bytes of the stored tensors alone (values, scales, biases, exact tensors; no file headers, padding or
+    metadata): what mlx_lm's compute_bits_per_weight counts, read from the files. An npy-dir's parts as its
+    manifest records them, an MLX directory's safetensors entries, the GGUF's tensors."""
+    if kind == "reference":
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    if kind == "npydir":
+        manifest = json.loads((path / "manifest.json").read_text())
+        return sum(part["size"] for entry in manifest["tensors"].values() for part in entry["files"].values())
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(end - start for name, entry in header.items() if name != "__metadata__"
+                     for start, end in [entry["data_offsets"]])
+    return total
 
 
 def dir_bytes(path: Path) -> int:
@@ -112,6 +168,12 @@ def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tu
             export(gguf, "hf", hf)
         if kind == "mlx_lm":
             mlx_lm.convert(str(hf), str(out), quantize=True, **options)
+        elif kind == "mlx_lm_dynamic":
+            # The sensitivities depend only on the two widths: one gradient pass per pair, reused by every target
+            # (what the command line's --sensitivities file is for)
+            pair = f"{options['bits']}g{options['group_size']}-{options['high_bits']}g{options['high_group_size']}"
+            sensitivities = workdir / f"dynamic-sensitivities-{pair}.json"
+            mlx_lm_calibrated("dynamic", hf, out, **options, sensitivities=sensitivities)
         else:
             mlx_lm_calibrated(kind.removeprefix("mlx_lm_"), hf, out, **options)
     return out, time.perf_counter() - started
@@ -162,24 +224,29 @@ def _awq(model, config: dict, tokens: list[int], bits: int, group_size: int, n_g
 
 
 def _dynamic(model, config: dict, tokens: list[int], bits: int, group_size: int, high_bits: int,
-             high_group_size: int, target_bpw: float):
+             high_group_size: int, target_bpw: float, sensitivities: Path):
     """Dynamic quantization: each layer's sensitivity (the gradient of the KL to the unquantized model on the
-    calibration sequences), then the most sensitive at `high_bits` until `target_bpw`, as its command line does
-    (the row: its defaults; a mix at 4-bit g64's 4.5 bits would need a 4-bit group of 128, which SmolLM2's 576
-    columns do not split into)."""
+    calibration sequences), then the most sensitive at `high_bits` until `target_bpw`, as its command line does.
+    The sensitivities are read from the file `sensitivities` when it is there, else computed and written there.
+    They are computed in float32, where mlx[cpu]'s matmuls are BLAS's (its bfloat16 gradient pass took over 7
+    minutes here, float32's 1.5); the threshold is searched in bfloat16, the dtype the bits a weight are counted
+    in when saved."""
     import mlx.core as mx
     from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
     from mlx_lm.utils import quantize_model
 
-    model.set_dtype(mx.bfloat16)  # bits per weight are counted in the dtype the model is saved in
-    data = sequences(tokens, 512)
-    sensitivities = dict(estimate_sensitivities(model, data, bits, group_size, high_bits, high_group_size))
-    threshold = estimate_threshold(model, sensitivities, target_bpw, bits, group_size, high_bits, high_group_size)
+    if not sensitivities.exists():
+        model.set_dtype(mx.float32)
+        found = estimate_sensitivities(model, sequences(tokens, 512), bits, group_size, high_bits, high_group_size)
+        sensitivities.write_text(json.dumps(found))
+    by_layer = dict(json.loads(sensitivities.read_text()))
+    model.set_dtype(mx.bfloat16)
+    threshold = estimate_threshold(model, by_layer, target_bpw, bits, group_size, high_bits, high_group_size)
 
     def predicate(path, module):
         if not hasattr(module, "to_quantized"):
             return False
-        return {"bits": high_bits, "group_size": high_group_size} if sensitivities[path] > threshold else True
+        return {"bits": high_bits, "group_size": high_group_size} if by_layer[path] > threshold else True
 
     return quantize_model(model, config, group_size=group_size, bits=bits, quant_predicate=predicate)
 
@@ -188,8 +255,11 @@ def _dynamic(model, config: dict, tokens: list[int], bits: int, group_size: int,
 CALIBRATED = {"gptq": _gptq, "awq": _awq, "dynamic": _dynamic}
 
 
-def evaluate_rows(args) -> list[dict]:
+def evaluate_rows(args) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Every selected row built and evaluated; the rows skipped (a --bpw row compress cannot build), with why."""
     import mlx.core as mx
+
+    from mlx_lm.utils import get_total_parameters
 
     import squishlike
     from squishlike import evaluation as ev
@@ -200,12 +270,21 @@ def evaluate_rows(args) -> list[dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     selected = [r for r in ROWS if not args.rows or any(s in slug(r[0]) for s in args.rows)]
 
-    built = {}
+    built, skipped = {}, []
     for label, kind, options in selected:
         print(f"== building {label}", file=sys.stderr, flush=True)
-        built[label] = build(label, kind, options, gguf, workdir)
+        try:
+            built[label] = build(label, kind, options, gguf, workdir)
+        except (TypeError, ValueError) as e:
+            # A --bpw row compress cannot build: a compress without the option yet (issue 33; UnknownOptionError is
+            # a TypeError), or a target below the smallest store it can write (BudgetError, a ValueError)
+            if "bpw" not in options:
+                raise
+            skipped.append((label, str(e).split(";")[0]))  # the reason, without the list of valid options
+            print(f"   skipped: {e}", file=sys.stderr, flush=True)
 
     reference, tokenizer = ev.load_float32(gguf)
+    params = get_total_parameters(reference)  # the denominator of bits per weight, the same for every row
     windows = ev.token_windows(tokenizer, ev.load_text("eval_prose"), max_tokens=args.max_tokens)
     cache = ev.ReferenceCache(reference, windows)
     prompts = ev.load_prompts()
@@ -214,6 +293,8 @@ def evaluate_rows(args) -> list[dict]:
 
     results = []
     for label, kind, options in selected:
+        if label not in built:
+            continue
         path, compress_s = built[label]
         print(f"== evaluating {label}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -228,6 +309,9 @@ def evaluate_rows(args) -> list[dict]:
         row["greedy_agreement"] = ev.sequence_agreement(greedy, ref_greedy)
         row["greedy_exact"] = sum(a == b for a, b in zip(greedy, ref_greedy))
         row["weights_bytes"] = weights_bytes(path, kind)
+        row["tensor_bytes"] = tensor_bytes(path, kind)
+        row["parameters"] = params
+        row["bpw"] = row["tensor_bytes"] * 8 / params
         row["dir_bytes"] = dir_bytes(path)
         row["compress_s"] = compress_s
         row["eval_s"] = time.perf_counter() - t0
@@ -245,11 +329,11 @@ def evaluate_rows(args) -> list[dict]:
         del model
         mx.clear_cache()
         print(f"   ppl {row['perplexity']:.4f}  top-1 {row['top1_agreement']:.4f}  KL {row['kl_mean']:.5f}  "
-              f"greedy {row['greedy_agreement']:.3f}", file=sys.stderr, flush=True)
-    return results
+              f"greedy {row['greedy_agreement']:.3f}  {row['bpw']:.3f} bits a weight", file=sys.stderr, flush=True)
+    return results, skipped
 
 
-def markdown(results: list[dict], args) -> str:
+def markdown(results: list[dict], skipped: list[tuple[str, str]], args) -> str:
     from squishlike.evaluation import load_prompts
 
     ref = next((r for r in results if r["kind"] == "reference"), None)
@@ -262,9 +346,9 @@ def markdown(results: list[dict], args) -> str:
         f"({results[0]['positions']} scored positions); greedy: {len(load_prompts())} prompts x {args.gen_tokens} "
         f"tokens. All in float32.",
         "",
-        "| model | ppl | Δ ppl | Δ vs mlx_lm 4-bit | top-1 | KL (nats) | KL vs mlx_lm 4-bit | greedy | weights at rest "
-        "| every file | compress | INT3 gate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | bits a weight | ppl | Δ ppl | Δ vs mlx_lm 4-bit | top-1 | KL (nats) | KL vs mlx_lm 4-bit | greedy "
+        "| tensors | weights at rest | every file | compress | INT3 gate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = ref["perplexity"] if ref else results[0]["reference_perplexity"]
     mlx_inc = mlx["perplexity"] - base if mlx else None
@@ -282,30 +366,87 @@ def markdown(results: list[dict], args) -> str:
         kl_rel = f"{r['kl_mean'] / mlx['kl_mean']:.2f}x" if mlx and r["kind"] != "reference" else ""
         took = f"{r['compress_s']:.0f} s" if r.get("compress_s") else ""
         lines.append(
-            f"| {r['label']} | {r['perplexity']:.3f} | {inc / base:+.2%} | {rel} | {r['top1_agreement']:.2%} | "
-            f"{r['kl_mean']:.4f} | {kl_rel} | {r['greedy_agreement']:.1%} | {r['weights_bytes'] / 1e6:.2f} MB | "
-            f"{r['dir_bytes'] / 1e6:.2f} MB | {took} | {gate} |"
+            f"| {r['label']} | {r['bpw']:.3f} | {r['perplexity']:.3f} | {inc / base:+.2%} | {rel} | "
+            f"{r['top1_agreement']:.2%} | {r['kl_mean']:.4f} | {kl_rel} | {r['greedy_agreement']:.1%} | "
+            f"{r['tensor_bytes'] / 1e6:.2f} MB | {r['weights_bytes'] / 1e6:.2f} MB | {r['dir_bytes'] / 1e6:.2f} MB | "
+            f"{took} | {gate} |"
         )
+    lines += ["", "Bits a weight: the stored tensors' bytes (values, scales, biases, exact tensors) x 8 / "
+              f"{results[0]['parameters']:,} parameters (mlx_lm's compute_bits_per_weight); tensors: those bytes; "
+              "weights at rest: their files; every file: the whole directory."]
+    for reason in dict.fromkeys(why for _, why in skipped):
+        lines += ["", f"Not built ({reason}): {', '.join(label for label, why in skipped if why == reason)}."]
     return "\n".join(lines)
 
 
+def targets(results: list[dict]) -> list[dict]:
+    """Issue 33's bars: for each target, squishlike's --bpw row's tensor bytes (target x parameters / 8 while
+    that row is missing), the best (lowest KL) mlx_lm model whose tensor bytes are within WINDOW of them, and
+    BAR x its KL, which squishlike's KL must not exceed."""
+    summary = []
+    for t in TARGETS:
+        ours = next((r for r in results if r["kind"] == "npydir" and r["options"].get("bpw") == t), None)
+        budget = ours["tensor_bytes"] if ours else t * results[0]["parameters"] / 8
+        near = [r for r in results if r["kind"].startswith("mlx") and abs(r["tensor_bytes"] / budget - 1) <= WINDOW]
+        best = min(near, key=lambda r: r["kl_mean"], default=None)
+        summary.append({"target": t, "bytes": budget, "squishlike": ours, "best": best,
+                        "bar": BAR * best["kl_mean"] if best else None})
+    return summary
+
+
+def targets_markdown(summary: list[dict]) -> str:
+    lines = [f"| target (bits a weight) | bytes compared | best mlx_lm model within {WINDOW:.0%} | its bits a weight "
+             f"| its KL | bar ({BAR}x) | squishlike --bpw KL | met |",
+             "|---:|---:|---|---:|---:|---:|---:|:---:|"]
+    for s in summary:
+        best, ours = s["best"], s["squishlike"]
+        basis = f"{s['bytes'] / 1e6:.2f} MB" + ("" if ours else " (target x parameters / 8)")
+        mlx = f"{best['label']} | {best['bpw']:.3f} | {best['kl_mean']:.4f} | {s['bar']:.4f}" if best else \
+            "none within the window | | |"
+        met = ("yes" if ours["kl_mean"] <= s["bar"] else "no") if ours and best else ""
+        kl = f"{ours['kl_mean']:.4f}" if ours else "not measured"
+        lines.append(f"| {s['target']:g} | {basis} | {mlx} | {kl} | {met} |")
+    return "\n".join(lines)
+
+
+def family(row: dict) -> str | None:
+    """The curve a row is a point of on the chart (None: a point on its own)."""
+    kind, options = row["kind"], row["options"]
+    if kind == "npydir" and "bpw" in options:
+        return "squishlike --bpw"
+    if kind == "mlx_lm" and "quant_predicate" in options:
+        return "mlx_lm mixed recipes"
+    if kind == "mlx_lm" and "q_bits" in options:
+        return "mlx_lm uniform g64"
+    if kind == "mlx_lm_dynamic":
+        return "mlx_lm dynamic_quant"
+    return None
+
+
+FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e",
+                  "mlx_lm dynamic_quant": "#2ca02c"}
+
+
 def pareto(results: list[dict], csv_path: Path) -> Path:
-    """Every file's bytes against mean KL, every row but the reference: the points as CSV, and beside it an SVG
-    chart (written directly: no plotting library). Returns the SVG's path."""
+    """Real bits a weight against mean KL, every row but the reference: the points as CSV (every file's bytes
+    beside), and beside it an SVG chart (written directly: no plotting library). Returns the SVG's path."""
     rows = [r for r in results if r["kind"] != "reference"]
-    csv_path.write_text("label,kind,weights_bytes,dir_bytes,kl_mean\n" + "".join(
-        f"\"{r['label']}\",{r['kind']},{r['weights_bytes']},{r['dir_bytes']},{r['kl_mean']:.6f}\n" for r in rows))
+    header = "label,kind,family,bpw,tensor_bytes,weights_bytes,dir_bytes,kl_mean,perplexity,top1\n"
+    csv_path.write_text(header + "".join(
+        f"\"{r['label']}\",{r['kind']},{family(r) or ''},{r['bpw']:.4f},{r['tensor_bytes']},{r['weights_bytes']},"
+        f"{r['dir_bytes']},{r['kl_mean']:.6f},{r['perplexity']:.4f},{r['top1_agreement']:.4f}\n" for r in rows))
     svg = csv_path.with_suffix(".svg")
     svg.write_text(svg_chart(rows))
     return svg
 
 
-def svg_chart(rows: list[dict], width: int = 900, height: int = 520, margin: int = 70) -> str:
-    """Bytes at rest (every file, MB) across, mean KL down the side on a log scale; squishlike's stores as circles,
-    mlx_lm's models as squares, each labelled."""
-    xs = [r["dir_bytes"] / 1e6 for r in rows]
+def svg_chart(rows: list[dict], width: int = 1100, height: int = 640, margin: int = 70) -> str:
+    """Real bits a weight across, mean KL down the side on a log scale: a line through each family's points
+    (legend top right), squishlike's other stores as circles and mlx_lm's other models as squares, each labelled
+    (a family's points up to the label's parenthesis)."""
+    xs = [r["bpw"] for r in rows]
     ys = [math.log10(max(r["kl_mean"], 1e-9)) for r in rows]
-    x0, x1 = min(xs), max(xs)
+    x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
     y0, y1 = math.floor(min(ys)), math.ceil(max(ys))
 
     def at(x: float, y: float) -> tuple[float, float]:
@@ -313,30 +454,37 @@ def svg_chart(rows: list[dict], width: int = 900, height: int = 520, margin: int
                 height - margin - (y - y0) / ((y1 - y0) or 1) * (height - 2 * margin))
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-           f'font-size="10"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="13">bytes at rest against mean KL to the '
-           f'reference (squishlike: circles; mlx_lm: squares)</text>']
+           f'font-size="9"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="13">mean KL to the reference against bits '
+           f'a weight (stored tensors\' bytes x 8 / parameters)</text>']
     for e in range(y0, y1 + 1):  # a gridline per decade of KL
         _, y = at(x0, e)
         out.append(f'<line x1="{margin}" y1="{y:.1f}" x2="{width - margin}" y2="{y:.1f}" stroke="#ddd"/>'
                    f'<text x="{margin - 6}" y="{y + 3:.1f}" text-anchor="end">1e{e}</text>')
-    for i in range(6):
-        value = x0 + (x1 - x0) * i / 5
+    for value in range(x0, x1 + 1):  # a gridline per bit
         x, _ = at(value, y0)
-        out.append(f'<line x1="{x:.1f}" y1="{height - margin}" x2="{x:.1f}" y2="{height - margin + 4}" '
-                   f'stroke="black"/><text x="{x:.1f}" y="{height - margin + 16}" text-anchor="middle">'
-                   f'{value:.0f}</text>')
-    out.append(f'<text x="{width / 2}" y="{height - 20}" text-anchor="middle">every file of the model (MB)</text>'
+        out.append(f'<line x1="{x:.1f}" y1="{margin}" x2="{x:.1f}" y2="{height - margin + 4}" stroke="#ddd"/>'
+                   f'<text x="{x:.1f}" y="{height - margin + 16}" text-anchor="middle">{value}</text>')
+    out.append(f'<text x="{width / 2}" y="{height - 20}" text-anchor="middle">bits a weight</text>'
                f'<text x="16" y="{height / 2}" transform="rotate(-90 16 {height / 2})" text-anchor="middle">'
                f'mean KL (nats, log scale)</text>'
                f'<rect x="{margin}" y="{margin}" width="{width - 2 * margin}" height="{height - 2 * margin}" '
                f'fill="none" stroke="black"/>')
+    for i, (name, colour) in enumerate(FAMILY_COLOURS.items()):
+        points = sorted((x, y) for r, x, y in zip(rows, xs, ys) if family(r) == name)
+        if points:
+            path = " ".join(f"{px:.1f},{py:.1f}" for px, py in (at(x, y) for x, y in points))
+            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        lx, ly = width - margin - 170, margin + 16 + 14 * i
+        out.append(f'<line x1="{lx}" y1="{ly - 3}" x2="{lx + 20}" y2="{ly - 3}" stroke="{colour}" stroke-width="2"/>'
+                   f'<text x="{lx + 26}" y="{ly}" fill="{colour}">{html.escape(name)}</text>')
     for r, value, kl in zip(rows, xs, ys):
         x, y = at(value, kl)
-        colour = "#1f77b4" if r["kind"] == "npydir" else "#d62728"
-        mark = (f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}"/>' if r["kind"] == "npydir" else
-                f'<rect x="{x - 4:.1f}" y="{y - 4:.1f}" width="8" height="8" fill="{colour}"/>')
-        out.append(f'{mark}<text x="{x + 7:.1f}" y="{y + 3:.1f}" fill="{colour}">{html.escape(r["label"])}</text>')
+        colour = FAMILY_COLOURS.get(family(r), "#1f77b4" if r["kind"] == "npydir" else "#7f7f7f")
+        mark = (f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}"/>' if r["kind"] == "npydir" else
+                f'<rect x="{x - 3.5:.1f}" y="{y - 3.5:.1f}" width="7" height="7" fill="{colour}"/>')
+        text = r["label"] if family(r) is None else r["label"].split(" (")[0]  # the legend names the method
+        out.append(f'{mark}<text x="{x + 6:.1f}" y="{y + 3:.1f}" fill="{colour}">{html.escape(text)}</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
@@ -348,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="only rows whose slug contains one of these")
     parser.add_argument("--json", type=Path, help="write the full results here")
     parser.add_argument("--markdown", type=Path, help="write the table here (else stdout only)")
-    parser.add_argument("--pareto", type=Path, help="write bytes against KL here (CSV, and an SVG chart beside it)")
+    parser.add_argument("--pareto", type=Path,
+                        help="write bits a weight against KL here (CSV, and an SVG chart beside it)")
+    parser.add_argument("--targets", action="store_true",
+                        help="add issue 33's bars: at each target bits a weight, the best mlx_lm model's KL x 0.8")
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
     args = parser.parse_args(argv)
 
@@ -363,13 +514,15 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
     started = time.perf_counter()
-    results = evaluate_rows(args)
-    table = markdown(results, args)
+    results, skipped = evaluate_rows(args)
+    table = markdown(results, skipped, args)
+    if args.targets:
+        table += "\n\n" + targets_markdown(targets(results))
     command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
     print(table)
     print(f"\n({time.perf_counter() - started:.0f} s; command: {command})", file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps({"command": command, "rows": results}, indent=1))
+        args.json.write_text(json.dumps({"command": command, "rows": results, "skipped": skipped}, indent=1))
     if args.markdown:
         args.markdown.write_text(table + "\n")
     if args.pareto:
