@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -68,18 +69,49 @@ def rank_main(loader: str, model: str, mode: str, out: str) -> None:
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps({"seconds": seconds, "bytes": nbytes}))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out on its own (to connect() and bind(0)): Linux's setting, else macOS's
+    default."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def ring_starting_port(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1 now, for `mlx.launch --backend ring --starting-port p` (rank r
+    listens on p + r).
+
+    Taken outside the kernel's ephemeral range, never from bind(0): a port in that range is where every outgoing
+    connection gets its source port (the ranks' own connects to each other included; Linux gives bind(0) odd ports
+    and connect() even ones, so p + 1 was exactly the kind it takes), so between this check and the rank's bind it
+    could be taken: `[ring] Couldn't bind socket (error: 98)`. Random, so runs side by side rarely try the same."""
+    low, high = _ephemeral_range()
+    candidates = [*range(15000, low - n), *range(high + 1, 65536 - n)]  # below 15000: where services listen
+    rng = random.SystemRandom()
+    for _ in range(100):
+        base = rng.choice(candidates)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports on 127.0.0.1")
 
 
 def launch(loader: str, model: Path, mode: str, out: Path) -> list[dict]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_port()), sys.executable,
-               "-m", "benchmarks.bench_sharded", "--rank", loader, str(model), mode, str(out)]
+    command = [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(ring_starting_port(RANKS)),
+               sys.executable, "-m", "benchmarks.bench_sharded", "--rank", loader, str(model), mode, str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, start_new_session=True)
     try:
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from benchmarks.bench_sharded import ring_starting_port
 from support import shard_rank
 from support.arch_sweep import ARCH_CONFIGS
 from support.tiny_models import MINISTRAL3, TINY_CONFIGS, make_hf_model, mlx_quantized
@@ -43,28 +43,6 @@ TENSOR_SHARDED = re.compile(
 LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\..*")
 
 
-def _free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1 now (the ring backend listens on starting port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports on 127.0.0.1")
-
-
 def _env() -> dict[str, str]:
     """The environment of every process a test starts: this checkout's squishlike first."""
     return {**os.environ, "PYTHONPATH": str(Path(squishlike.__file__).parents[1])}
@@ -75,19 +53,25 @@ def _run_launch(command: list[str]) -> tuple[str, str]:
     time: on a timeout the whole process group is killed. `--` keeps mlx.launch from taking the command's flags
     that it also has (`--verbose`)."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    process = subprocess.Popen(
-        [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(_free_ports(RANKS)), "--",
-         *command],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
-    try:
-        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        pytest.fail(f"mlx.launch did not finish in {LAUNCH_TIMEOUT_S} s")
-    finally:
-        if process.poll() is None:
+    for _ in range(3):
+        process = subprocess.Popen(
+            [str(launcher), "-n", str(RANKS), "--backend", "ring", "--starting-port", str(ring_starting_port(RANKS)),
+             "--", *command],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
+        try:
+            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            pytest.fail(f"mlx.launch did not finish in {LAUNCH_TIMEOUT_S} s")
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        # The ports were free when chosen; another process (a run beside this one) may still bind one first. The
+        # ranks fail in mx.distributed.init, before they read or write anything, so a launch on other ports is
+        # the same launch.
+        if not re.search(r"\[ring\] Couldn't (bind|listen)", stderr):
+            break
     # mlx.launch exits 0 even when a rank fails; it says so on stderr
     assert process.returncode == 0 and "exited with code" not in stderr, stderr[-4000:]
     return stdout, stderr

@@ -7,8 +7,9 @@ tiers), export (an HF directory), the case's own action and load. So a crash, a 
 data's size fails the case instead of the test run. Whatever an entry point does with a hostile file, it either
 raises a squishlike.errors type or gives the right answer (a load of a hostile npy-dir that succeeds, by
 rebuilding a damaged cache, gives the clean weights; compress and export either name the file, or write exactly
-what they write from the clean source: 158 cases refused by both, 41 written clean by one or both); and
-where nothing succeeded, nothing on disk changed (compress and export write to a scratch directory outside it).
+what they write from the clean source: tests/fuzz/RELIABILITY.md counts each, and
+test_reliability_md_states_the_true_counts keeps its counts true); and where nothing succeeded, nothing on disk
+changed (compress and export write to a scratch directory outside it).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def outcomes(base, tmp_path_factory):
 
 def test_the_corpus_is_big_enough():
     assert len(CASES) >= 180 and len({c.name for c in CASES}) == len(CASES)
+
+
+def test_reliability_md_states_the_true_counts(outcomes):
+    """tests/fuzz/RELIABILITY.md states how many cases there are and how many compress and export both refuse: the
+    figures went stale silently as the corpus grew, so a new case fails here until the doc says the new ones."""
+    refused = sum(all("error" in outcomes[c.name][-1][a] for a in WRITERS) for c in CASES)
+    doc = (Path(__file__).parents[1] / "fuzz" / "RELIABILITY.md").read_text()
+    stated = re.search(r"Hostile input — (\d+) crafted files", doc), re.search(r"both\s+do in (\d+) cases", doc), \
+        re.search(r"\((\d+) where one or both write", doc)
+    assert all(stated), "RELIABILITY.md no longer states the counts in the words this test reads"
+    assert [int(m.group(1)) for m in stated] == [len(CASES), refused, len(CASES) - refused], \
+        f"RELIABILITY.md's hostile-input counts are stale: {len(CASES)} cases, {refused} refused by both writers"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
