@@ -96,9 +96,12 @@ DYNAMIC_ROWS = [(f"mlx_lm dynamic {low}/{high}-bit g64 at {t:g} bits a weight (m
                  "mlx_lm_dynamic", {"bits": low, "group_size": 64, "high_bits": high, "high_group_size": 64,
                                     "target_bpw": t})
                 for t in (2.5, 3, 3.5, 4, 4.5, 5, 6) for low, high in [dynamic_widths(t)]]
-# squishlike's --bpw (each tensor 2..8 bits by measured sensitivity): skipped, with a note, until compress takes it
-BPW_ROWS = [(f"squishlike --bpw {t:g}", "npydir", {"scheme": "int4", "bpw": t})
-            for t in (2.5, 3, 3.5, 4, 4.5, 5, 6, 8)]
+# squishlike's --bpw (each tensor 2..8 bits by measured sensitivity): the 4.5 row measures the sensitivities, the
+# others plan theirs from its store (--sensitivity-from), as a user asking for a second size would
+BPW_MEASURED = "squishlike --bpw 4.5"
+BPW_ROWS = [(BPW_MEASURED, "npydir", {"bpw": 4.5}),
+            *((f"squishlike --bpw {t:g}", "npydir", {"bpw": t, "sensitivity_from": BPW_MEASURED})
+              for t in (2.5, 3, 3.5, 4, 5, 6, 8))]
 ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS
 
 # The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
@@ -157,6 +160,8 @@ def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tu
         return out, None
     started = time.perf_counter()
     if kind == "npydir":
+        if "sensitivity_from" in options:  # a row's label -> its store
+            options = {**options, "sensitivity_from": workdir / slug(options["sensitivity_from"])}
         squishlike.compress(gguf, out, **options)
     elif kind == "mlx":
         export(gguf, "mlx", out, quantize=True, **options)  # bit for bit what mlx_lm.convert writes

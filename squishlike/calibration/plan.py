@@ -16,7 +16,7 @@ import numpy as np
 
 from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from ..config import load_config
-from ..errors import FormatError, UnsupportedArchitectureError
+from ..errors import BudgetError, FormatError, UnsupportedArchitectureError
 from ..npydir import MANIFEST, NpyDir, source_fingerprint
 from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
@@ -345,6 +345,11 @@ class Calibrator:
         params = sum(math.prod(self.source.shape(n)) for n in self.canonical.values())
         fixed = sum(self.source.stored_bytes(n, infos[self.provider.source_name(n)].dtype)
                     for n in self.canonical.values() if n not in choices)
+        smallest = fixed + sum(min(c.nbytes for c in cs) for cs in choices.values())
+        if smallest * 8 > self.opts.bpw * params:
+            raise BudgetError(f"{self.provider.reader.path}: bpw={self.opts.bpw} is below the smallest store of this "
+                              f"model, {smallest * 8 / params:.3f} bits per weight ({schemes[0]} throughout); choose "
+                              "a larger bpw")
         report = plan_widths(choices, int(self.opts.bpw * params / 8) - fixed, params, fixed, losses)
         report["target_bpw"] = self.opts.bpw
         self.plan.promote = dict(report["schemes"])
