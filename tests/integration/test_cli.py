@@ -266,7 +266,7 @@ def test_help_shows_every_default():
                 shown = "default" in (action.help or "") or f"(default: {action.default})" in text
                 assert shown, f"{name} {action.option_strings[-1]}: default {action.default!r} not shown"
     text = " ".join(cli("compress", "--help").stdout.split())
-    assert "(default: int8)" in text and "(default: 0.08)" in text
+    assert "(default: int8;" in text and "(default: 0.08)" in text
 
 
 def test_errors_have_one_form(tiny_llama, tmp_path):
