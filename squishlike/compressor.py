@@ -14,7 +14,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -286,53 +286,58 @@ def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressO
     writer = resume.open_writer(tmp, runtime, out)
     side_files = provider.write_side_files(tmp)  # first: what a load would refuse in them costs no tensor work
     tokenizer_files = _tokenizer_files(tmp)
-    model = new_model(provider.dense_config(), provider.reader.path)
-    provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
-    kinds = weight_kinds(provider, model)  # the model decides what is quantized
-    calibrator = _calibrator(provider, opts, tmp)
-    plan = calibrator.plan if calibrator is not None else None
-    units = calibrator.units() if calibrator is not None else resume.block_units(provider.names())
-    start = 0
-    if writer.tensors and (found := resume.latest(tmp, [names for _, names in units], set(writer.tensors))):
-        start, state, arrays = found
+    try:
+        model = new_model(provider.dense_config(), provider.reader.path)
+        provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
+        kinds = weight_kinds(provider, model)  # the model decides what is quantized
+        calibrator = _calibrator(provider, opts, tmp)
+        plan = calibrator.plan if calibrator is not None else None
+        units = calibrator.units() if calibrator is not None else resume.block_units(provider.names())
+        start = 0
+        if writer.tensors and (found := resume.latest(tmp, [names for _, names in units], set(writer.tensors))):
+            start, state, arrays = found
+            if calibrator is not None:
+                calibrator.restore(state, arrays)
+            print(f"compress: going on from {units[start - 1][0]} of a killed run ({tmp})", file=sys.stderr)
+        elif writer.tensors:  # nothing to go on from: start over
+            tokenizer_files.result()
+            shutil.rmtree(tmp)
+            writer = resume.open_writer(tmp, runtime, out)
+            side_files = provider.write_side_files(tmp)
+            tokenizer_files = _tokenizer_files(tmp)
+        done_bytes = sum(infos[provider.source_name(n)].nbytes
+                         for n in writer.tensors if provider.source_name(n) in infos)
+        with tqdm(total=sum(t.nbytes for t in infos.values()), initial=done_bytes, unit="B", unit_scale=True,
+                  desc="compress", disable=None, file=sys.stderr) as bar:
+            pipeline = _Pipeline(bar)
+            try:
+                for k in range(start, len(units)):
+                    what, names = units[k]
+                    bar.set_postfix_str(what, refresh=False)
+                    if calibrator is not None:
+                        calibrator.prepare(k)
+                    for name in names:
+                        info = infos.get(provider.source_name(name))
+                        entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime,
+                                                                                   plan, kinds.get(name))
+                        nbytes = info.nbytes if info else array.nbytes
+                        pipeline.submit(nbytes, _finish_tensor, writer, name, entry, array, src_dtype, parts, checked)
+                    pipeline.drain()
+                    if calibrator is not None:
+                        calibrator.done(k)
+                    resume.save(tmp, k + 1, *(calibrator.state() if calibrator is not None else ({}, {})))
+                    fault_point(f"compress-unit:{k}")
+                    writer.checkpoint()
+                    resume.forget_before(tmp, k + 1)
+            finally:
+                pipeline.close()
         if calibrator is not None:
-            calibrator.restore(state, arrays)
-        print(f"compress: going on from {units[start - 1][0]} of a killed run ({tmp})", file=sys.stderr)
-    elif writer.tensors:  # nothing to go on from: start over
-        tokenizer_files.result()
-        shutil.rmtree(tmp)
-        writer = resume.open_writer(tmp, runtime, out)
-        side_files = provider.write_side_files(tmp)
-        tokenizer_files = _tokenizer_files(tmp)
-    done_bytes = sum(infos[provider.source_name(n)].nbytes for n in writer.tensors if provider.source_name(n) in infos)
-    with tqdm(total=sum(t.nbytes for t in infos.values()), initial=done_bytes, unit="B", unit_scale=True,
-              desc="compress", disable=None, file=sys.stderr) as bar:
-        pipeline = _Pipeline(bar)
-        try:
-            for k in range(start, len(units)):
-                what, names = units[k]
-                bar.set_postfix_str(what, refresh=False)
-                if calibrator is not None:
-                    calibrator.prepare(k)
-                for name in names:
-                    info = infos.get(provider.source_name(name))
-                    entry, array, src_dtype, parts, checked = _quantize_tensor(provider, name, info, opts, runtime,
-                                                                               plan, kinds.get(name))
-                    nbytes = info.nbytes if info else array.nbytes
-                    pipeline.submit(nbytes, _finish_tensor, writer, name, entry, array, src_dtype, parts, checked)
-                pipeline.drain()
-                if calibrator is not None:
-                    calibrator.done(k)
-                resume.save(tmp, k + 1, *(calibrator.state() if calibrator is not None else ({}, {})))
-                fault_point(f"compress-unit:{k}")
-                writer.checkpoint()
-                resume.forget_before(tmp, k + 1)
-        finally:
-            pipeline.close()
-    if calibrator is not None:
-        opts.extra_manifest = {**calibrator.manifest(), **opts.extra_manifest}
-    _finish_store(provider, writer, opts, side_files, tokenizer_files)
-    return writer, plan
+            opts.extra_manifest = {**calibrator.manifest(), **opts.extra_manifest}
+        _finish_store(provider, writer, opts, side_files, tokenizer_files)
+        return writer, plan
+    except BaseException:
+        wait([tokenizer_files])  # its thread writes into tmp, which the caller removes once this returns
+        raise
 
 
 def _calibrator(provider: WeightProvider, opts: CompressOptions, side_files: Path):

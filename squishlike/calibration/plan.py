@@ -23,7 +23,7 @@ from ..provider import WeightProvider
 from ..dtypes import NP_STORAGE
 from ..quant.reference import from_float32, to_float32
 from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
-from .awq import AWQ_GRID, ScaleGroup, Transform, scale_groups, search_awq
+from .awq import AWQ_GRID, ScaleGroup, Transform, add_scales, group_scales, scale_groups, search_awq
 from .blocks import BlockRunner
 from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
 from .mixed import block_losses, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
@@ -151,6 +151,7 @@ class Calibrator:
         self.head = head_group(provider) if opts.gptq or opts.mixed_precision > 0 or opts.bpw is not None else None
         self.canonical = {provider.mlx_name(n): n for n in provider.names()}
         self.awq: dict[str, dict] = {}
+        self.known_alphas: dict[str, dict] = {}  # group -> AWQ's report, from the store sensitivities come from
         self.gptq_tensors: set[str] = set()
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
@@ -247,8 +248,17 @@ class Calibrator:
             self._gptq_inputs(groups, calib)
 
     def _search_awq(self, groups: list[ScaleGroup], calib: Calibration) -> None:
-        """The AWQ scales of a block's groups, into the plan's transform and the manifest's report."""
-        if self.opts.awq and groups:
+        """The AWQ scales of a block's groups, into the plan's transform and the manifest's report. Alphas a store
+        of the same source found (`sensitivity_from`, with the same options) are taken, not searched again: the
+        search is deterministic, so the scales are the ones it would find."""
+        if self.opts.awq and groups and self.known_alphas:
+            for g in groups:
+                if (found := self.known_alphas.get(g.name)) is not None:
+                    if found["alpha"] != 0.0 and (scales := group_scales(g, calib.abs_mean[g.name],
+                                                                         found["alpha"])) is not None:
+                        add_scales(self.plan.transform, g, scales)
+                    self.awq[g.name] = found
+        elif self.opts.awq and groups:
             transform, report = search_awq(groups, calib, self.source.weight, self.source.quantizer_for)
             self.plan.transform.col.update(transform.col)
             self.plan.transform.row.update(transform.row)
@@ -385,6 +395,13 @@ class Calibrator:
             raise FormatError(where, f"sensitivities name unknown schemes {schemes}")
         self._plan_widths(shapes, schemes, losses)
         self.plan.record["bpw"]["measured_in"] = str(store.path)
+        awq = store.manifest.extra.get("awq", {})
+        if awq.get("applied") and isinstance(awq.get("groups"), dict):
+            for group, found in awq["groups"].items():
+                alpha = found.get("alpha") if isinstance(found, dict) else None
+                if not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+                    raise FormatError(where, f"bad AWQ record of group {group}: {found!r}")
+            self.known_alphas = awq["groups"]
 
     def _candidates(self, block_names: list[str]) -> dict[str, ScaleGroup]:
         """The block's 2-D weights the store quantizes with its scheme, as one-linear groups recording inputs."""

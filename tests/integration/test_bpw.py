@@ -33,7 +33,8 @@ def test_smollm_meets_the_target_within_one_percent_with_every_width_measured(sm
     store = NpyDir(smollm_at_4)
     assert abs(store.manifest.bits_per_weight() - 4.0) <= 0.04
     report = store.manifest.extra["bpw"]
-    assert report["target_bpw"] == 4.0 and report["planned_bpw"] == pytest.approx(store.manifest.bits_per_weight(), abs=1e-3)
+    assert report["target_bpw"] == 4.0
+    assert report["planned_bpw"] == pytest.approx(store.manifest.bits_per_weight(), abs=1e-3)
     widths = {e.scheme for e in store.manifest.tensors.values() if e.kind.quantized}
     assert len(widths) >= 2  # a plan, not a uniform store
     for name, kept in report["sensitivity"].items():  # every width measured, the loss falling as the bits grow
@@ -59,10 +60,12 @@ def test_another_size_is_planned_from_the_kept_sensitivities(smollm_gguf, smollm
     report = store.manifest.extra["bpw"]
     assert report["measured_in"] == str(smollm_at_4)
     assert report["sensitivity"] == NpyDir(smollm_at_4).manifest.extra["bpw"]["sensitivity"]
+    assert store.manifest.extra["awq"]["groups"] == NpyDir(smollm_at_4).manifest.extra["awq"]["groups"]  # taken
 
 
 def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path):
-    with pytest.raises(BudgetError, match=r"bpw=2.0 is below the smallest store of this model, 2.5\d\d bits per weight"):
+    smallest = r"bpw=2.0 is below the smallest store of this model, 2.5\d\d bits per weight"
+    with pytest.raises(BudgetError, match=smallest):
         squishlike.compress(smollm_gguf, tmp_path / "tiny", bpw=2.0, sensitivity_from=smollm_at_4, **FAST)
     assert not any(tmp_path.iterdir())
 
