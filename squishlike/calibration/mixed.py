@@ -6,8 +6,7 @@ mixed precision's promotions within a fraction of extra bytes (`plan_mixed`).
 Every loss is relative: the squared change of what the tensor's block hands on (the residual stream after the block;
 for the output head its logits; for the token embedding the rows it looks up), over the squares of that output.
 Relative changes of the residual stream are what the normalised layers after it see, so one scale serves every
-block, the head and the embedding. docs/design.md §7.4 has the measurements behind the choice (a linear's own
-output change, the measure before, ranked v and down low and lost to uniform widths at the same bytes)."""
+block, the head and the embedding. docs/design.md §7.4 has the reasons and the measurements behind the plan."""
 
 from __future__ import annotations
 
@@ -58,19 +57,20 @@ def block_losses(runner: BlockRunner, i: int, mlx_name: str, name: str, w: np.nd
 
     The block runs once, with the weight stored by `quantizers[reference]`, on the first windows holding
     TRIAL_TOKENS tokens; the other widths' losses follow from it in proportion to the change each makes to the
-    linear's own outputs, ||X (W_hat - W)^T||^2. Small changes pass through the block about linearly, and running
-    it for every width costs six times as much (measured on SmolLM2: the same plan within a few tensors)."""
+    linear's own outputs, ||X (W_hat - W)^T||^2: small changes pass through the block about linearly, and a run
+    for every width would cost six times as much."""
     n, tokens = 0, 0
     while n < len(inputs) and tokens < TRIAL_TOKENS:
         tokens, n = tokens + inputs[n].shape[1], n + 1
+    ws = transform.apply(name, w)
+    change = quantizers[reference](ws) - ws  # in the rewritten weight's space; the others' one at a time below
     try:
-        runner.set_weights(i, [(mlx_name, mx.array(_stored(name, w, transform, quantizers[reference])))])
+        runner.set_weights(i, [(mlx_name, mx.array(w + transform.error_back(name, change)))])
         measured = _relative(runner.run(i, inputs[:n]), outputs[:n])
     finally:
         runner.set_weights(i, [(mlx_name, mx.array(w))])
-    ws = transform.apply(name, w)
     xs = mx.array(x / transform.col[name][None, :] if name in transform.col else x)
-    linear = [output_error(xs, qz(ws) - ws) for qz in quantizers]
+    linear = [output_error(xs, change if k == reference else qz(ws) - ws) for k, qz in enumerate(quantizers)]
     return tuple(measured * v / linear[reference] if linear[reference] > 0 else 0.0 for v in linear)
 
 
