@@ -43,9 +43,10 @@ class CompressOptions:
     # int8, or int4 (the width of tensors a bits-per-weight target does not plan) with bpw
     group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
-    # (fnmatch pattern of canonical names, bits in WIDTHS) rules, the first that matches a tensor the store quantizes
-    # anyway giving its width (mlx_lm-style mixed recipes: ("*.ffn.down.*", 6), ("layers.1[0-9].*", 3))
-    bits: tuple[tuple[str, int], ...] = ()
+    # (fnmatch pattern of canonical names, bits in WIDTHS[, group size]) rules, the first that matches a tensor the
+    # store quantizes anyway giving its width and group size (the store's when left out; mlx_lm-style mixed
+    # recipes: ("*.ffn.down.*", 6), ("layers.1[0-9].*", 3, 128))
+    bits: tuple[tuple, ...] = ()
     quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT formats
     clip_search: bool | None = None  # None: on for CALIBRATED_BY_DEFAULT formats (as awq and gptq)
     dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
@@ -132,23 +133,32 @@ class CompressOptions:
                              "give one of them")
 
     def _validate_bits(self) -> None:
-        """Each `bits` rule: a pattern and a width of WIDTHS whose scheme takes the store's group size (all the
-        widths of a store share it). Messages name a rule as `bits=PATTERN=N`, the CLI's spelling."""
+        """Each `bits` rule: a pattern, a width of WIDTHS and, when given, a group size its scheme takes (else the
+        store's must be one). Messages name a rule as `bits=PATTERN=N[/G]`, the CLI's spelling."""
         for rule in self.bits:
-            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and type(rule[1]) is int):
-                raise ValueError(f"bits= holds {rule!r}, not a (pattern, bits) pair")
-            pattern, bits = rule
-            if bits not in WIDTHS:
-                raise ValueError(f"bits={pattern}={bits} is not a width; choose bits from "
+            if not (isinstance(rule, tuple) and len(rule) in (2, 3) and isinstance(rule[0], str)
+                    and all(type(v) is int for v in rule[1:])):
+                raise ValueError(f"bits= holds {rule!r}, not a (pattern, bits) pair or (pattern, bits, group size)")
+            if rule[1] not in WIDTHS:
+                raise ValueError(f"bits={rule_text(rule)} is not a width; choose bits from "
                                  f"{', '.join(map(str, WIDTHS))}")
-            allowed = SCHEMES[WIDTHS[bits]].group_sizes
-            if self.group_size not in allowed:
-                raise ValueError(f"bits={pattern}={bits} needs group_size={self.group_size} to be one of "
+            allowed = SCHEMES[WIDTHS[rule[1]]].group_sizes
+            if len(rule) == 3 and rule[2] not in allowed:
+                raise ValueError(f"bits={rule_text(rule)}: group size {rule[2]} is not one of "
+                                 f"{', '.join(map(str, allowed))}")
+            if len(rule) == 2 and self.group_size not in allowed:
+                raise ValueError(f"bits={rule_text(rule)} needs group_size={self.group_size} to be one of "
                                  f"{', '.join(map(str, allowed))}")
 
-    def width(self, name: str) -> tuple[str, int] | None:
+    def width(self, name: str) -> tuple | None:
         """The first `bits` rule whose pattern matches canonical tensor `name`, or None."""
         return next((rule for rule in self.bits if fnmatch.fnmatchcase(name, rule[0])), None)
+
+    def group_for(self, name: str) -> int:
+        """The group size canonical tensor `name` is stored with when group-wise: its `bits` rule's, else the
+        store's (0: per row)."""
+        rule = self.width(name)
+        return rule[2] if rule is not None and len(rule) == 3 else self.groups
 
     def check_tiers_fit_format(self) -> None:
         """Refuse a quantized tier that this store's format can never feed. The API takes such a policy (the
@@ -157,6 +167,11 @@ class CompressOptions:
             if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
                 raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
                                  f"format={self.format}; leave {tier} out of tiers= or compress with format={tier}")
+
+
+def rule_text(rule: tuple) -> str:
+    """A `bits` rule as the CLI spells it: PATTERN=N, or PATTERN=N/G with its group size."""
+    return f"{rule[0]}={'/'.join(map(str, rule[1:]))}"
 
 
 def default_tiers(opts: CompressOptions, schemes: set[str]) -> tuple[str, ...]:
@@ -201,9 +216,9 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
         return "passthrough", "embedding / lm_head (kept exact by --no-quantize-embeddings)"
     if kind == "int8" and opts.format != "int8":
         return "int8", "the model's quant_predicate keeps it at 8 bits"
-    cols = shape[-1]
-    if opts.groups and cols % opts.groups:
-        return "passthrough", f"{cols} columns do not split into groups of {opts.group_size}"
+    cols, groups = shape[-1], opts.group_for(name)
+    if groups and cols % groups:
+        return "passthrough", f"{cols} columns do not split into groups of {groups}"
     if kind != "int8" and (rule := opts.width(name)) is not None:  # the model's 8-bit wish above a rule's width
-        return WIDTHS[rule[1]], f"matches --bits {rule[0]}={rule[1]}"
+        return WIDTHS[rule[1]], f"matches --bits {rule_text(rule)}"
     return opts.scheme, "linear weight"

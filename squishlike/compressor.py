@@ -98,8 +98,9 @@ def compress(
     - group_size: elements per scale along the input axis: 32, 64 or 128 (int3: 32 or 64); for int8 also "row",
       the per-row symmetric form (group-wise otherwise: MLX's 8-bit affine form).
     - passthrough: fnmatch patterns of canonical names (e.g. "layers.0.*") kept exact.
-    - bits: (fnmatch pattern of canonical names, bits) rules: a tensor the store quantizes takes the width of the
-      first rule it matches, 2, 3, 4, 5, 6 or 8 (group-wise, at group_size), e.g. (("*.ffn.down.*", 6), ("*", 3)).
+    - bits: (fnmatch pattern of canonical names, bits[, group size]) rules: a tensor the store quantizes takes the
+      width of the first rule it matches, 2, 3, 4, 5, 6 or 8 (group-wise, at the rule's group size, else at
+      group_size), e.g. (("*.ffn.down.*", 6, 128), ("*", 3)).
     - quantize_embeddings: quantize the token embedding and lm_head too, with the linears' scheme (as
       mlx_lm.convert -q does); False keeps them exact (about 2x the bytes of an INT4 store of a small model).
       None: on for int8 and int4, off for int3.
@@ -225,22 +226,26 @@ def _check_output(out: Path, force: bool) -> None:
         raise OutputExistsError(f"{out}: exists and holds an npy-dir; pass force=True to replace it")
 
 
-def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, scale_dtype: str) -> dict:
+def _quantize(array: np.ndarray, src_dtype: str, scheme: str, opts: CompressOptions, group_size: int,
+              scale_dtype: str) -> dict:
     parts = quant.quantize(scheme, array.reshape(rows_cols(array.shape)), src_dtype=src_dtype,
-                           group_size=opts.groups, scale_dtype=scale_dtype, clip_search=opts.clip_search)
+                           group_size=group_size, scale_dtype=scale_dtype, clip_search=opts.clip_search)
     return dict(zip(SCHEMES[scheme].suffixes, parts))
 
 
-def repack(triple: QuantizedTensor | None, scheme: str, runtime: str) -> dict[str, np.ndarray] | None:
+def repack(triple: QuantizedTensor | None, scheme: str, runtime: str,
+           group_size: int | None = None) -> dict[str, np.ndarray] | None:
     """An MLX affine triple as the grouped `scheme`'s parts, its codes, scales and offsets kept as they are
-    (docs/format.md §4.5): a lossless repack, when its bits and group size are the scheme's and its scales are in
-    the runtime dtype. None when any of that differs: the tensor is then quantized from its dequantized values."""
+    (docs/format.md §4.5): a lossless repack, when its bits and group size are the scheme's (and `group_size`,
+    where a plan chose one) and its scales are in the runtime dtype. None when any of that differs: the tensor is
+    then quantized from its dequantized values."""
     kind = SCHEMES[scheme]
     if (
         triple is None
         or triple.mode != "affine"
         or triple.bits != kind.bits
         or triple.group_size not in kind.group_sizes
+        or group_size not in (None, triple.group_size)
         or triple.scales.dtype != MX_DTYPES[runtime]
     ):
         return None
@@ -399,26 +404,28 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
     if not entry.kind.quantized:
         return entry, array, src_dtype, None, False
-    parts = repack(triple, scheme, runtime)
+    planned = plan is not None and plan.sized(name)  # a size target chose its width and group size: they stay
+    group_size = plan.group_size(name, opts.group_for(name)) if planned else opts.group_for(name)
+    parts = repack(triple, scheme, runtime, group_size if planned else None)
     if parts is not None:
         entry.group_size, entry.scale_dtype = triple.group_size, runtime
         entry.reason += f"; the source's own {triple.bits}-bit values, repacked without rounding"
         return entry, array, src_dtype, parts, False
     if entry.kind.grouped:  # per-row INT8 scales are always float32, one per row
-        entry.group_size, entry.scale_dtype = opts.groups, runtime
+        entry.group_size, entry.scale_dtype = group_size, runtime
     try:
-        parts = _quantize(array, src_dtype, scheme, opts, runtime)
+        parts = _quantize(array, src_dtype, scheme, opts, entry.group_size or 0, runtime)
     except ValueError as e:
         raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
-    sized = plan is not None and plan.sized(name)  # a size target's width stays, outlier or not: the plan chose it
-    # knowing its loss, and the bytes of an exact tensor would break the target
-    if plan is None or (not sized and error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]):
+    # A size target's width stays, outlier or not: the plan chose it knowing its loss, and the bytes of an exact
+    # tensor would break the target
+    if plan is None or (not planned and error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]):
         return entry, array, src_dtype, parts, False
     # GPTQ trades error in the weights for error in the layer's output: whether a tensor is an outlier is decided
     # on its plain rounding, just above, not on the compensated weights.
     compensated = plan.quantize(name, array, src_dtype, scheme)
     if compensated is None:
-        return entry, array, src_dtype, parts, sized
+        return entry, array, src_dtype, parts, planned
     entry.reason += "; GPTQ (rounding errors compensated on the calibration inputs)"
     return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from .errors import FormatError
 from .formats import detect_format
 from .formats.npydir import NpyDirReader
-from .npydir import SCHEMES, NpyDir, is_npydir
+from .npydir import NpyDir, TensorEntry, is_npydir
 from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
 from .tiers.rank import RankTier
@@ -38,9 +38,9 @@ def inspect_model(path: str | Path) -> dict:
             "runtime_dtype": store.runtime_dtype,
             "bytes": sum(r.size for r in store.part_files().values()),
             "bits_per_weight": store.manifest.bits_per_weight(),
-            # tensors per scheme, widest first: a mixed store's widths
-            "widths": dict(Counter(sorted((e.scheme for e in store.entries.values()),
-                                          key=lambda s: -(SCHEMES[s].bits or 99)))),
+            # tensors per scheme (and group size), widest first: a mixed store's widths
+            "widths": dict(Counter(layout(e, store.manifest.group_size) for e in sorted(
+                store.entries.values(), key=lambda e: (-(e.kind.bits or 99), -(e.group_size or 0))))),
             "policy": store.manifest.policy.to_json(),
             "int3_gate": store.manifest.int3_gate or {"passed": False, "reason": "store is not INT3"},
         }
@@ -55,10 +55,20 @@ def inspect_model(path: str | Path) -> dict:
             payload, why = tier.ready(store)
             report["rank_caches"][tier.key] = {"state": "ready" if payload else why, "bytes": tier.disk_bytes(store)}
         report["quality"] = {
-            name: {"scheme": e.scheme, "reason": e.reason, **(e.error.to_json() if e.error else {})}
+            name: {"scheme": e.scheme, "layout": layout(e, store.manifest.group_size), "group_size": e.group_size,
+                   "reason": e.reason,
+                   **(e.error.to_json() if e.error else {})}
             for name, e in store.entries.items()
         }
     return report
+
+
+def layout(entry: TensorEntry, store_group_size: int) -> str:
+    """How a tensor is stored, as inspect names it: its scheme, with its group size where that is not the store's
+    (`int3/g128` in a store of groups of 64)."""
+    if entry.kind.grouped and entry.group_size != store_group_size:
+        return f"{entry.scheme}/g{entry.group_size}"
+    return entry.scheme
 
 
 def verify(path: str | Path) -> list[str]:

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import BudgetError
+from ..quant.schemes import SCHEMES
 from .awq import Transform
 from .blocks import BlockRunner
 from .products import output_error
@@ -100,11 +101,13 @@ def lookup_losses(name: str, w: np.ndarray, counts: np.ndarray, transform: Trans
 
 @dataclass(frozen=True)
 class Choice:
-    """One way to store a tensor: its scheme, its bytes at rest and the loss measured with it."""
+    """One way to store a tensor: its scheme and group size (0: not group-wise), its bytes at rest and the loss
+    measured with it."""
 
     scheme: str
     nbytes: int
     loss: float
+    group_size: int = 0
 
 
 def _lower_hull(choices: Sequence[Choice]) -> list[Choice]:
@@ -152,10 +155,21 @@ def allocate(choices: dict[str, Sequence[Choice]], budget: int) -> dict[str, Cho
 
 
 def tensor_choices(losses: dict[str, Sequence[float]], shapes: dict[str, tuple[int, int]],
-                   quantizers: Sequence[Quantizer]) -> dict[str, list[Choice]]:
-    """`losses` (name -> a loss per quantizer) as every tensor's choices."""
-    return {name: [Choice(q.scheme, q.nbytes(*shapes[name]), loss) for q, loss in zip(quantizers, ls)]
+                   quantizers: dict[str, Sequence[Quantizer]]) -> dict[str, list[Choice]]:
+    """`losses` (name -> a loss per quantizer of `quantizers[name]`) as every tensor's choices."""
+    return {name: [Choice(q.scheme, q.nbytes(*shapes[name]), loss, stored_group_size(q))
+                   for q, loss in zip(quantizers[name], ls)]
             for name, ls in losses.items()}
+
+
+def stored_group_size(qz: Quantizer) -> int:
+    """The group size a tensor stored with `qz` records: its own for a group-wise scheme, else 0."""
+    return qz.group_size if SCHEMES[qz.scheme].grouped else 0
+
+
+def fitting(quantizers: Sequence[Quantizer], cols: int) -> list[Quantizer]:
+    """The quantizers a weight of `cols` columns can be stored with: those whose groups split its rows."""
+    return [q for q in quantizers if not SCHEMES[q.scheme].grouped or cols % q.group_size == 0]
 
 
 def plan_widths(choices: dict[str, list[Choice]], budget: int, params: int, fixed: int,
@@ -168,17 +182,24 @@ def plan_widths(choices: dict[str, list[Choice]], budget: int, params: int, fixe
     planned = fixed + sum(c.nbytes for c in chosen.values())
     counts: dict[str, int] = {}
     for c in chosen.values():
-        counts[c.scheme] = counts.get(c.scheme, 0) + 1
+        counts[choice_label(c)] = counts.get(choice_label(c), 0) + 1
     return {
         "planned_bytes": planned,
         "planned_bpw": round(planned * 8 / params, 4),
         "params": params,
         "schemes": {name: c.scheme for name, c in chosen.items()},
+        "group_sizes": {name: c.group_size for name, c in chosen.items() if c.group_size},
         "counts": counts,
         "measure": MEASURE,
-        "sensitivity": {name: {"schemes": [c.scheme for c in choices[name]], "losses": list(ls)}
+        "sensitivity": {name: {"schemes": [c.scheme for c in choices[name]],
+                               "group_sizes": [c.group_size for c in choices[name]], "losses": list(ls)}
                         for name, ls in losses.items()},
     }
+
+
+def choice_label(c: Choice) -> str:
+    """A choice as the plan's counts name it: `int3/g128`, or the scheme alone when it is not group-wise."""
+    return f"{c.scheme}/g{c.group_size}" if c.group_size else c.scheme
 
 
 def plan_mixed(
@@ -190,7 +211,7 @@ def plan_mixed(
 ) -> tuple[list[str], dict[str, Any]]:
     """Which tensors (`losses`: name -> (loss at `base`, loss at `high`)) to keep at `high` instead, by loss saved
     per extra byte, within `budget` x their bytes at `base`. Returns (chosen, report)."""
-    choices = tensor_choices(losses, shapes, (base, high))
+    choices = tensor_choices(losses, shapes, {name: (base, high) for name in losses})
     base_bytes = sum(cs[0].nbytes for cs in choices.values())
     picked = allocate(choices, int(base_bytes * (1 + budget)))
     chosen = [name for name, c in picked.items() if c.scheme == high.scheme]

@@ -26,9 +26,12 @@ from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, Transform, add_scales, group_scales, scale_groups, search_awq
 from .blocks import BlockRunner
 from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
-from .mixed import block_losses, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
+from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions
+
+
+PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Plan:
 
     transform: Transform = field(default_factory=Transform)
     promote: dict[str, str] = field(default_factory=dict)  # name -> scheme
+    group_sizes: dict[str, int] = field(default_factory=dict)  # name -> the group size planned with its scheme
     promoted_by: str = "mixed precision"  # what chose the schemes of `promote`, for the manifest's reasons
     reference_ppl: float | None = None
     record: dict[str, Any] = field(default_factory=dict)  # manifest keys
@@ -75,6 +79,10 @@ class Plan:
         longer hold them."""
         return self.transform.touches(name)
 
+    def group_size(self, name: str, default: int) -> int:
+        """The group size `name` is stored with: the one planned with its width, else `default` (the store's)."""
+        return self.group_sizes.get(name, default)
+
     def sized(self, name: str) -> bool:
         """Whether a size target (bits per weight) planned the width of `name`."""
         return name in self.promote and "bpw" in self.record
@@ -97,9 +105,10 @@ class _SourceWeights:
         self.runtime = runtime
         self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
         self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
-        # What a bits-per-weight target chooses among: each width, group-wise, and exact
-        self.widths = (*(Quantizer(WIDTHS[b], opts.groups, runtime, opts.clip_search) for b in WIDTHS),
-                       Quantizer("passthrough", opts.groups, runtime))
+        # What a bits-per-weight target chooses among: each width at each group size (those that split a
+        # tensor's rows, `fitting`), and exact
+        self.widths = (*(Quantizer(WIDTHS[b], g, runtime, opts.clip_search) for b in WIDTHS for g in PLAN_GROUP_SIZES),
+                       Quantizer("passthrough", 0, runtime))
 
     def weight(self, name: str) -> np.ndarray:
         array = self.provider.get(name)
@@ -111,7 +120,11 @@ class _SourceWeights:
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
         scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
-        return self.base if scheme == self.opts.scheme else None
+        if scheme != self.opts.scheme:
+            return None
+        group_size = self.opts.group_for(name)  # a `bits` rule may keep the scheme at another group size
+        return self.base if group_size == self.base.group_size else Quantizer(scheme, group_size, self.runtime,
+                                                                              self.opts.clip_search)
 
     def stored_bytes(self, name: str, dtype: str) -> int:
         """The bytes `name` takes in the store by compress's rules alone (no width planned for it); `dtype`: the
@@ -119,7 +132,7 @@ class _SourceWeights:
         shape = self.shape(name)
         scheme, _ = choose_scheme(name, shape, self.opts, self.kinds.get(name))
         if scheme != "passthrough":
-            return Quantizer(scheme, self.opts.groups, self.runtime).nbytes(*rows_cols(shape))
+            return Quantizer(scheme, self.opts.group_for(name), self.runtime).nbytes(*rows_cols(shape))
         return math.prod(shape) * np.dtype(NP_STORAGE.get(dtype, NP_STORAGE[self.runtime])).itemsize
 
 
@@ -213,12 +226,13 @@ class Calibrator:
         for kind, table in (("col", self.plan.transform.col), ("row", self.plan.transform.row)):
             arrays.update({f"{kind}.{name}": v for name, v in table.items()})
         return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
-                "promote": self.plan.promote, "stopped": self.stopped,
+                "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl}, arrays
 
     def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Go on from `state` (what `state()` saved after the units a killed compress had written)."""
         self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], state["promote"]
+        self.plan.group_sizes = state["group_sizes"]
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
         self.plan.reference_ppl = state["reference_ppl"]
         for key, value in arrays.items():
@@ -277,7 +291,9 @@ class Calibrator:
         planned = self.plan.promote.get(name)
         if qz is None or planned is None:
             return qz
-        return Quantizer(planned, qz.group_size, qz.scale_dtype, qz.clip_search) if SCHEMES[planned].grouped else None
+        if not SCHEMES[planned].grouped:
+            return None
+        return Quantizer(planned, self.plan.group_size(name, qz.group_size), qz.scale_dtype, qz.clip_search)
 
     def _tail(self, runner: BlockRunner) -> None:
         """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
@@ -298,10 +314,10 @@ class Calibrator:
         sensitivity at every width it may take (mixed.py); then the widths: mixed precision's promotions, or a
         bits-per-weight target's plan."""
         started = time.perf_counter()
-        quantizers = self.source.widths if self.opts.bpw is not None else (self.source.base, self.source.high)
+        offered = self.source.widths if self.opts.bpw is not None else (self.source.base, self.source.high)
         losses: dict[str, tuple[float, ...]] = {}
         shapes: dict[str, tuple[int, int]] = {}
-        reference = [q.scheme for q in quantizers].index(self.source.base.scheme)
+        quantizers: dict[str, list[Quantizer]] = {}  # each tensor's: those of `offered` its columns take
         for i in range(len(runner)):
             candidates = self._candidates(runner.block_names[i])
             runner.load(i)
@@ -310,15 +326,15 @@ class Calibrator:
             self._search_awq(self._block_groups(i), calib)
             for name, g in candidates.items():
                 w = self.source.weight(name)
-                shapes[name] = w.shape
+                shapes[name], quantizers[name] = w.shape, fitting(offered, w.shape[1])
                 losses[name] = block_losses(runner, i, self.provider.mlx_name(name), name, w,
                                             calib.samples[g.name], inputs, runner.hidden, self.plan.transform,
-                                            quantizers, reference)
+                                            quantizers[name], quantizers[name].index(self.source.base))
             runner.release(i)
-        self._measure_vocabulary(runner, quantizers, losses, shapes)
+        self._measure_vocabulary(runner, offered, quantizers, losses, shapes)
         self.plan.record["awq_from_first_pass"] = bool(self.awq)
         if self.opts.bpw is not None:
-            self._plan_widths(shapes, [q.scheme for q in quantizers], losses)
+            self._plan_widths(shapes, quantizers, losses)
         else:
             chosen, report = plan_mixed(losses, shapes, self.source.base, self.source.high, self.opts.mixed_precision)
             self.plan.promote = {n: self.source.high.scheme for n in chosen}
@@ -327,29 +343,35 @@ class Calibrator:
                 f"(+{report['extra_bytes'] / 1e6:.2f} MB)")
         log(f"sensitivities measured in {time.perf_counter() - started:.1f} s")
 
-    def _measure_vocabulary(self, runner: BlockRunner, quantizers, losses: dict, shapes: dict) -> None:
+    def _measure_vocabulary(self, runner: BlockRunner, offered, quantizers: dict, losses: dict,
+                            shapes: dict) -> None:
         """The sensitivities of the output head (on its logits) and of the token embedding (on the rows the
-        calibration text looks up); a tied pair is one tensor, whose losses add."""
+        calibration text looks up), with each of `offered` that fits it; a tied pair is one tensor, whose losses
+        add."""
         measured: dict[str, list[tuple[float, ...]]] = {}
-        if self.head is not None and self.source.quantizer_for(self.head.members[0]) is not None:
+        for name in (self.head.members[0] if self.head is not None else None, "token_embedding.weight"):
+            if name is not None and self.provider.has(name) and self.source.quantizer_for(name) == self.source.base \
+                    and len(self.source.shape(name)) == 2:
+                shapes[name] = rows_cols(self.source.shape(name))
+                quantizers[name] = fitting(offered, shapes[name][1])
+        if self.head is not None and self.head.members[0] in quantizers:
             name = self.head.members[0]
             x = self._head_inputs(runner).samples["head"]
-            measured[name] = [tensor_losses(name, self.source.weight(name), x, self.plan.transform, quantizers)]
+            measured[name] = [tensor_losses(name, self.source.weight(name), x, self.plan.transform,
+                                            quantizers[name])]
         name = "token_embedding.weight"
-        if self.provider.has(name) and self.source.quantizer_for(name) is not None \
-                and len(self.source.shape(name)) == 2:
+        if name in quantizers:
             w = self.source.weight(name)
             counts = np.bincount([t for win in self.windows for t in win.tokens[:-1]], minlength=w.shape[0])
-            measured.setdefault(name, []).append(lookup_losses(name, w, counts, self.plan.transform, quantizers))
+            measured.setdefault(name, []).append(lookup_losses(name, w, counts, self.plan.transform,
+                                                               quantizers[name]))
         for name, parts in measured.items():
-            shapes[name] = rows_cols(self.source.shape(name))
             losses[name] = tuple(map(sum, zip(*parts)))
 
-    def _plan_widths(self, shapes: dict[str, tuple[int, int]], schemes: list[str],
+    def _plan_widths(self, shapes: dict[str, tuple[int, int]], quantizers: dict[str, list[Quantizer]],
                      losses: dict[str, tuple[float, ...]]) -> None:
-        """Every measured tensor's width for the bits-per-weight target, into the plan and the manifest:
-        `losses` has, for each tensor of `shapes`, its loss with each of `schemes`."""
-        quantizers = [Quantizer(s, self.opts.groups, self.plan.runtime, self.opts.clip_search) for s in schemes]
+        """Every measured tensor's width and group size for the bits-per-weight target, into the plan and the
+        manifest: `losses` has, for each tensor of `shapes`, its loss with each of its `quantizers`."""
         choices = tensor_choices(losses, shapes, quantizers)
         infos = self.provider.reader.tensors()
         params = sum(math.prod(self.source.shape(n)) for n in self.canonical.values())
@@ -358,11 +380,12 @@ class Calibrator:
         smallest = fixed + sum(min(c.nbytes for c in cs) for cs in choices.values())
         if smallest * 8 > self.opts.bpw * params:
             raise BudgetError(f"{self.provider.reader.path}: bpw={self.opts.bpw} is below the smallest store of this "
-                              f"model, {smallest * 8 / params:.3f} bits per weight ({schemes[0]} throughout); choose "
-                              "a larger bpw")
+                              f"model, {smallest * 8 / params:.3f} bits per weight (each tensor at its smallest "
+                              "choice); choose a larger bpw")
         report = plan_widths(choices, int(self.opts.bpw * params / 8) - fixed, params, fixed, losses)
         report["target_bpw"] = self.opts.bpw
         self.plan.promote = dict(report["schemes"])
+        self.plan.group_sizes = dict(report["group_sizes"])
         self.plan.promoted_by = f"a target of {self.opts.bpw} bits per weight"
         self.plan.record["bpw"] = report
         log(f"bits per weight: {report['planned_bpw']} planned for a target of {self.opts.bpw} "
@@ -378,7 +401,7 @@ class Calibrator:
         kept = store.manifest.extra.get("bpw", {}).get("sensitivity")
         if not isinstance(kept, dict) or not kept:
             raise ValueError(f"{where}: keeps no sensitivities (it was not compressed with bpw)")
-        shapes, losses, schemes = {}, {}, None
+        shapes, losses, quantizers = {}, {}, {}
         try:
             for name, entry in kept.items():
                 shapes[name] = rows_cols(self.source.shape(name))
@@ -386,14 +409,15 @@ class Calibrator:
                     raise ValueError(f"{where}: its sensitivities were measured with other options ({name} is "
                                      "not quantized with these): compress without sensitivity_from")
                 losses[name] = tuple(float(v) for v in entry["losses"])
-                schemes = schemes or list(entry["schemes"])
-                if list(entry["schemes"]) != schemes or len(losses[name]) != len(schemes):
-                    raise TypeError(f"{name}'s record differs from the others'")
+                # A record written before group sizes were chosen measured every width at the store's
+                groups = entry.get("group_sizes", [store.manifest.group_size] * len(entry["schemes"]))
+                quantizers[name] = [self._kept_quantizer(s, g, shapes[name][1])
+                                    for s, g in zip(entry["schemes"], groups)]
+                if not len(losses[name]) == len(groups) == len(quantizers[name]):
+                    raise TypeError(f"{name}'s schemes, group sizes and losses differ in number")
         except (KeyError, TypeError) as e:
             raise FormatError(where, f"bad sensitivity record ({type(e).__name__}: {e})") from None
-        if any(s not in SCHEMES for s in schemes):
-            raise FormatError(where, f"sensitivities name unknown schemes {schemes}")
-        self._plan_widths(shapes, schemes, losses)
+        self._plan_widths(shapes, quantizers, losses)
         self.plan.record["bpw"]["measured_in"] = str(store.path)
         awq = store.manifest.extra.get("awq", {})
         if awq.get("applied") and isinstance(awq.get("groups"), dict):
@@ -403,12 +427,22 @@ class Calibrator:
                     raise FormatError(where, f"bad AWQ record of group {group}: {found!r}")
             self.known_alphas = awq["groups"]
 
+    def _kept_quantizer(self, scheme: str, group_size: int, cols: int) -> Quantizer:
+        """The quantizer of a kept sensitivity record's choice (for a tensor of `cols` columns); TypeError when
+        the record names a scheme or group size no store can hold."""
+        kind = SCHEMES.get(scheme)
+        if kind is None:
+            raise TypeError(f"unknown scheme {scheme!r}")
+        if kind.grouped and (group_size not in kind.group_sizes or cols % group_size):
+            raise TypeError(f"{scheme} with group size {group_size!r} for {cols} columns")
+        return Quantizer(scheme, group_size if kind.grouped else 0, self.plan.runtime, self.opts.clip_search)
+
     def _candidates(self, block_names: list[str]) -> dict[str, ScaleGroup]:
         """The block's 2-D weights the store quantizes with its scheme, as one-linear groups recording inputs."""
         found = {}
         for mlx in block_names:
             name = self.canonical[mlx]
-            if mlx.endswith(".weight") and self.source.quantizer_for(name) is not None \
+            if mlx.endswith(".weight") and self.source.quantizer_for(name) == self.source.base \
                     and len(self.source.shape(name)) == 2:
                 found[name] = ScaleGroup(name, "tensor", -1, mlx.removesuffix(".weight"), (name,), ())
         return found

@@ -22,12 +22,14 @@ def _group_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"group size {text} is neither a number nor {ROW!r}") from None
 
 
-def width_rule(text: str) -> tuple[str, int]:
-    """--bits PATTERN=N: one (pattern, bits) rule; compress validates the width."""
-    pattern, sep, bits = text.rpartition("=")
-    if not (sep and pattern and bits.isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r} is not PATTERN=BITS, e.g. '*.ffn.down.*=6'")
-    return pattern, int(bits)
+def width_rule(text: str) -> tuple:
+    """--bits PATTERN=N or PATTERN=N/G: one (pattern, bits[, group size]) rule; compress validates them."""
+    pattern, sep, width = text.rpartition("=")
+    numbers = width.split("/")
+    if not (sep and pattern and len(numbers) <= 2 and all(n.isdigit() for n in numbers)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not PATTERN=BITS or PATTERN=BITS/GROUP_SIZE, e.g. "
+                                         "'*.ffn.down.*=6' or '*.ffn.down.*=3/128'")
+    return pattern, *map(int, numbers)
 
 
 def tier_list(text: str) -> tuple[str, ...]:
@@ -51,10 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "int8 also takes 'row', the per-row symmetric form")
     parser.add_argument("--passthrough", nargs="+", default=(), metavar="PATTERN",
                         help="canonical tensor names (glob) to keep exact, e.g. 'layers.0.*'")
-    parser.add_argument("--bits", action="append", type=width_rule, default=[], metavar="PATTERN=N",
+    parser.add_argument("--bits", action="append", type=width_rule, default=[], metavar="PATTERN=N[/G]",
                         help="store the tensors whose canonical names match PATTERN (glob) at N bits: 2, 3, 4, 5, 6 "
-                        "or 8, group-wise at --group-size; repeatable, the first match wins (mixed recipes, e.g. "
-                        "--bits '*.ffn.down.*=6' --bits '*=3')")
+                        "or 8, group-wise in groups of G (32, 64 or 128; default --group-size); repeatable, the "
+                        "first match wins (mixed recipes, e.g. --bits '*.ffn.down.*=3/128' --bits '*=3')")
     parser.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="quantize the embedding and lm_head with the linears' scheme, as mlx_lm.convert -q does "
                         "(default for int8 and int4); --no-quantize-embeddings keeps them exact, at about 2x the "

@@ -84,7 +84,8 @@ def tensor_table(report: dict, width: int) -> list[str]:
         q = quality.get(t["canonical"], {})
         note = f"{q['rel_error']:.2%} / {q['cosine']:.5f}" if "rel_error" in q else q.get("reason", "")
         size = tqdm.format_sizeof(t["nbytes"], "B", divisor=1000)
-        rows.append([t["canonical"], t["dtype"], "x".join(map(str, t["shape"])), size, note])
+        dtype = q["layout"] if q.get("group_size") else t["dtype"]  # a group size not the store's: named
+        rows.append([t["canonical"], dtype, "x".join(map(str, t["shape"])), size, note])
     header = ["tensor", "dtype", "shape", "size", "rel. error / cosine" if quality else ""]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     indent = sum(widths) + 2 * 4

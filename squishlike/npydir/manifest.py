@@ -152,7 +152,7 @@ class TensorEntry:
     reason: str  # why this scheme was chosen
     files: dict[str, FileRecord | PartRecord] = field(default_factory=dict)  # part suffix -> record (format 1:
     # the part's own file; format 2: where it lies in its pack)
-    group_size: int | None = None  # INT4/INT3 only
+    group_size: int | None = None  # group-wise schemes only: the tensor's own, which may differ from the store's
     scale_dtype: str | None = None  # INT4/INT3 only
     stored_dtype: str | None = None  # passthrough only
     error: ErrorStats | None = None  # quantized schemes only

@@ -162,16 +162,17 @@ class QuantizedTier(Tier):
 
     def config(self, store: NpyDir) -> dict:
         """The tier's config.json: the store's, with the quantization its file holds. The top level names the
-        tier's width and its common group size; each layer at another width gets its own entry, keyed by module
-        path, as mlx_lm.convert writes a mixed recipe (mlx_lm infers a layer's group size from its scales' shape,
-        and its width too, but only where the config names none)."""
+        tier's width and the smallest group size of its tensors at that width; each layer at another width or
+        group size gets its own entry, keyed by module path, as mlx_lm.convert writes a mixed recipe (mlx_lm
+        infers a layer's group size and width from its arrays' shapes too, but only where the config names
+        none)."""
         grouped = [e for e in store.entries.values() if e.kind.grouped]
         group_size = min(e.group_size for e in [e for e in grouped if e.scheme == self.scheme] or grouped)
         config = store.config()
         quantization = {"group_size": group_size, "bits": self.bits, "mode": "affine"}
         for name, mlx_name in mlx_names(store).items():
             entry = store.entries[name]
-            if entry.kind.grouped and entry.kind.bits != self.bits:
+            if entry.kind.grouped and (entry.kind.bits, entry.group_size) != (self.bits, group_size):
                 module = mlx_name.removesuffix(".weight")
                 quantization[module] = {"group_size": entry.group_size, "bits": entry.kind.bits, "mode": "affine"}
         config["quantization"] = config["quantization_config"] = quantization

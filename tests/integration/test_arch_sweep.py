@@ -1,11 +1,12 @@
 """Any architecture mlx_lm builds loads and compresses: a sweep over tiny random-weight models of many families.
 
 For each: squishlike.load(src) has mlx_lm.load(src)'s parameters bit for bit; an INT8 and a mixed INT4 store (each
-tensor at a width drawn at random from 2, 3, 4, 5, 6 and 8 bits, seeded by the type: `bits=` rules) load
+tensor at a width drawn at random from 2, 3, 4, 5, 6 and 8 bits and a group size from 64 and 128 where they split its
+rows, seeded by the type: `bits=` rules) load
 bit-identically from every tier, and each is mlx_lm's model of the source with weights no further from the
 source's than mlx_lm's own quantization puts them:
-- every weight, by name, is within the error mlx_lm's quantization of that tensor has at its width in the store and
-  the store's group size (`mx.quantize`; 10% slack, QUANTIZATION_SLACK), and exact (to float rounding) where it
+- every weight, by name, is within the error mlx_lm's quantization of that tensor has at its width and group size in
+  the store (`mx.quantize`; 10% slack, QUANTIZATION_SLACK), and exact (to float rounding) where it
   cannot take it;
 - the store's model gives bit for bit the logits of mlx_lm's model of the source given the store's weights (the
   store's config builds the same model).
@@ -79,16 +80,16 @@ def rms(a: mx.array) -> float:
 
 
 def assert_within_quantization(weights: dict[str, mx.array], source: dict[str, mx.array], bits: int,
-                               group_size: int, widths: dict[str, int] | None = None) -> None:
+                               group_size: int, widths: dict[str, tuple[int, int]] | None = None) -> None:
     """Each of `weights` is `source`'s weight of its name within the RMS error mlx_lm's quantization of that
-    tensor has (at its width in `widths`, else `bits`, and `group_size`; with QUANTIZATION_SLACK), or within float
-    rounding where that quantization cannot take it."""
+    tensor has (at its width and group size in `widths`, else `bits` and `group_size`; with QUANTIZATION_SLACK), or
+    within float rounding where that quantization cannot take it."""
     assert weights.keys() == source.keys()
     for name, want in source.items():
         got = weights[name]
         assert got.dtype == want.dtype, name
         bound = ROUNDING * rms(want)
-        bits = (widths or {}).get(name, bits)
+        bits, group_size = (widths or {}).get(name, (bits, group_size))
         if want.ndim >= 2 and want.shape[-1] % group_size == 0:
             quantized = mx.quantize(want, group_size=group_size, bits=bits)
             bound += QUANTIZATION_SLACK * rms(mx.dequantize(*quantized, group_size=group_size, bits=bits) - want)
@@ -133,7 +134,8 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         for model in (*(squishlike.load(out, tier=tier)[0] for tier in built), dense):
             assert_same_weights(first, model)
         weights = flat_params(dense)
-        widths = {mlx: store.entries[name].kind.bits for name, mlx in mlx_names(store).items()
+        widths = {mlx: (store.entries[name].kind.bits, store.entries[name].group_size)
+                  for name, mlx in mlx_names(store).items()
                   if store.entries[name].kind.grouped}  # per-row INT8 (a router) is checked at the store's bits
         assert_within_quantization(weights, source, BITS[fmt], OPTIONS[fmt]["group_size"], widths)
         reference.load_weights(list(weights.items()))
@@ -141,12 +143,18 @@ def test_loads_as_mlx_lm_and_compresses(arch, tmp_path, tokenizer_dir):
         assert mx.array_equal(dense(tokens), reference(tokens)).item(), f"{fmt}: the store's model is not mlx_lm's"
 
 
-def random_widths(src, arch: str) -> tuple[tuple[str, int], ...]:
-    """`bits=` rules giving each of the source's tensors a width drawn at random, seeded by the model type (the
-    rules of tensors the store keeps exact, or per row at 8 bits, match nothing it quantizes)."""
+def random_widths(src, arch: str) -> tuple[tuple, ...]:
+    """`bits=` rules giving each of the source's tensors a width drawn at random and a group size drawn from those of
+    64 and 128 that split its rows (else the store's), seeded by the model type (the rules of tensors the store
+    keeps exact, or per row at 8 bits, match nothing it quantizes)."""
     draw = random.Random(arch)
+    rules = []
     with squishlike.open_weights(src) as provider:
-        return tuple((glob.escape(name), draw.choice(list(WIDTHS))) for name in provider.names())
+        for name in provider.names():
+            shape = provider.get(name).shape
+            groups = [g for g in (64, 128) if shape and shape[-1] % g == 0]
+            rules.append((glob.escape(name), draw.choice(list(WIDTHS)), *([draw.choice(groups)] if groups else [])))
+    return tuple(rules)
 
 
 # The dtype check's default-suite share: the sweep's, one type whose cast_predicate keeps a tensor in float32 of

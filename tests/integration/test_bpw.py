@@ -6,6 +6,7 @@ measuring again. Real SmolLM2 for the 1 % and the retarget; a tiny llama for the
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from mlx.utils import tree_flatten
 
 import squishlike
 from squishlike.calibration.stats import ScaleGroup, record
-from squishlike.errors import BudgetError
+from squishlike.errors import BudgetError, FormatError
 from squishlike.npydir import NpyDir
 
 FAST = {"gptq": False, "calibration_max_tokens": 256}  # the measure and the plan, without GPTQ's time
@@ -37,11 +38,21 @@ def test_smollm_meets_the_target_within_one_percent_with_every_width_measured(sm
     assert report["planned_bpw"] == pytest.approx(store.manifest.bits_per_weight(), abs=1e-3)
     widths = {e.scheme for e in store.manifest.tensors.values() if e.kind.quantized}
     assert len(widths) >= 2  # a plan, not a uniform store
-    for name, kept in report["sensitivity"].items():  # every width measured, the loss falling as the bits grow
-        assert kept["schemes"] == ["int2", "int3", "int4", "int5", "int6", "int8g", "passthrough"]
+    for name, kept in report["sensitivity"].items():  # every width measured at every group size that splits its
+        # rows (SmolLM2's 576 columns: 32 and 64; the down projections' 1536: 128 too), the loss falling as the
+        # bits grow
+        cols = store.manifest.tensors[name].shape[-1]
+        groups = [g for g in (32, 64, 128) if cols % g == 0]
+        assert kept["schemes"] == [s for s in ("int2", "int3", "int4", "int5", "int6", "int8g") for _ in groups] + [
+            "passthrough"]
+        assert kept["group_sizes"] == groups * 6 + [0]
+        at_64 = [loss for loss, g in zip(kept["losses"], kept["group_sizes"]) if g == 64]
         # (not always on to 8 bits: int8g picks codes before its bf16 bias is rounded, as mx.quantize does, and on
         # AWQ-scaled groups far from zero that rounding can cost more than 6 bits' steps; the plan then skips it)
-        assert all(a > b for a, b in zip(kept["losses"][:4], kept["losses"][1:5])), name
+        assert all(a > b for a, b in zip(at_64[:4], at_64[1:5])), name
+    for name, entry in store.manifest.tensors.items():  # each planned tensor at its planned group size
+        if name in report["group_sizes"]:
+            assert entry.group_size == report["group_sizes"][name], name
     entry = store.manifest.tensors["layers.0.ffn.down.weight"]
     assert entry.reason.startswith("a target of 4.0 bits per weight")
 
@@ -63,8 +74,53 @@ def test_another_size_is_planned_from_the_kept_sensitivities(smollm_gguf, smollm
     assert store.manifest.extra["awq"]["groups"] == NpyDir(smollm_at_4).manifest.extra["awq"]["groups"]  # taken
 
 
+def test_the_plan_takes_groups_of_128_where_they_are_cheaper(smollm_gguf, smollm_at_4, tmp_path):
+    """At 3 bits a weight most tensors must go below 3 bits in groups of 64 (3.5 bits a weight); groups of 128 (3.25)
+    let the down projections, whose 1536 columns split into them, stay at 3 bits."""
+    out = squishlike.compress(smollm_gguf, tmp_path / "at3", bpw=3.0, sensitivity_from=smollm_at_4, **FAST)
+    store = NpyDir(out)
+    at_128 = {name for name, e in store.manifest.tensors.items() if e.group_size == 128}
+    assert at_128 and all(".ffn.down." in name for name in at_128)
+    assert NpyDir(out).manifest.extra["bpw"]["group_sizes"] == {
+        name: e.group_size for name, e in store.manifest.tensors.items() if e.kind.grouped}
+
+
+def test_a_record_from_before_group_sizes_were_chosen_still_plans(smollm_gguf, smollm_at_4, tmp_path):
+    """A store written before group sizes were part of the plan kept each tensor's schemes and losses alone, all
+    at the store's group size: a size planned from it has every tensor at that group size."""
+    old = tmp_path / "old"
+    shutil.copytree(smollm_at_4, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for kept in manifest["bpw"]["sensitivity"].values():
+        at_64 = [i for i, g in enumerate(kept.pop("group_sizes")) if g in (0, 64)]
+        kept["schemes"], kept["losses"] = [kept["schemes"][i] for i in at_64], [kept["losses"][i] for i in at_64]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    out = squishlike.compress(smollm_gguf, tmp_path / "again", bpw=3.5, sensitivity_from=old, **FAST)
+    store = NpyDir(out)
+    assert abs(store.manifest.bits_per_weight() - 3.5) <= 3.5 / 100
+    assert {e.group_size for e in store.manifest.tensors.values() if e.kind.grouped} == {64}
+    assert all(kept["group_sizes"] == [64] * 6 + [0] for kept in store.manifest.extra["bpw"]["sensitivity"].values())
+
+
+@pytest.mark.parametrize("group_sizes, problem", [
+    (lambda n: [96] * n, "int2 with group size 96 for 576 columns"),
+    (lambda n: [64] * (n - 1), "schemes, group sizes and losses differ in number"),
+])
+def test_a_record_with_bad_group_sizes_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path,
+                                                                          group_sizes, problem):
+    bad = tmp_path / "bad"
+    shutil.copytree(smollm_at_4, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    kept = manifest["bpw"]["sensitivity"]["layers.0.attention.q.weight"]
+    kept["group_sizes"] = group_sizes(len(kept["schemes"]))
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=f"bad sensitivity record .*{problem}"):
+        squishlike.compress(smollm_gguf, tmp_path / "out", bpw=3.5, sensitivity_from=bad, **FAST)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path):
-    smallest = r"bpw=2.0 is below the smallest store of this model, 2.5\d\d bits per weight"
+    smallest = r"bpw=2.0 is below the smallest store of this model, 2\.4\d\d bits per weight"
     with pytest.raises(BudgetError, match=smallest):
         squishlike.compress(smollm_gguf, tmp_path / "tiny", bpw=2.0, sensitivity_from=smollm_at_4, **FAST)
     assert not any(tmp_path.iterdir())
