@@ -232,7 +232,7 @@ class Calibrator:
     def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Go on from `state` (what `state()` saved after the units a killed compress had written)."""
         self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], state["promote"]
-        self.plan.group_sizes = state["group_sizes"]
+        self.plan.group_sizes = state.get("group_sizes", {})  # a checkpoint from before group sizes were planned
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
         self.plan.reference_ppl = state["reference_ppl"]
         for key, value in arrays.items():
