@@ -123,7 +123,8 @@ def compress(
     - int3_gate: INT3 only: measure the accuracy gate; a store that fails it is not written. False skips the gate
       (the store is written, without its 3-bit tier).
     - int3_max_ppl_increase: the gate's bound on the calibration-perplexity increase (0.08: +8 %).
-    - calibration_samples: input rows per linear kept for the AWQ error search and the GPTQ Hessians.
+    - calibration_samples: input rows per linear kept for the AWQ error search (GPTQ's Hessians take every
+      calibration position).
     - calibration_max_tokens: use only the first N calibration tokens (None: all).
     - bpw: a size target in bits per weight (every stored byte, scales and exact tensors included, times 8 over
       the parameter count: mlx_lm's measure), met within 1 %: each linear, the embedding and the head get the

@@ -28,7 +28,7 @@ from .blocks import BlockRunner
 from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
-from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions
+from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions, thinned
 
 
 PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
@@ -154,6 +154,10 @@ class Calibrator:
         tokenizer = model_tokenizer(load_config(side_files), side_files, provider.reader.path)
         self.windows = calibration_windows(tokenizer, max_tokens=opts.calibration_max_tokens)
         self.picks = sample_positions(self.windows, opts.calibration_samples)
+        # GPTQ's Hessians take every calibration position: from the AWQ search's evenly spaced rows (463 of
+        # SmolLM2's 2,311 by default, fewer than a down projection's 1,536 columns) GPTQ fits the few rows and
+        # loses more at 2 and 3 bits than it saves (docs/design.md §7.4)
+        self.every = sample_positions(self.windows, sum(len(w.tokens) - 1 for w in self.windows))
         self.source = _SourceWeights(provider, self.model, opts, self.plan.runtime)
         wanted = opts.awq or opts.gptq or opts.mixed_precision > 0
         self.groups, self.why_not = scale_groups(self.model, provider) if wanted else ([], None)
@@ -255,9 +259,10 @@ class Calibrator:
         block's inputs."""
         groups = self._block_groups(i)
         runner.load(i)
-        calib, runner.hidden = record(runner, i, groups, self.picks)
+        calib, runner.hidden = record(runner, i, groups, self.every if self.opts.gptq else self.picks)
         if not self.plan.record.get("awq_from_first_pass"):
-            self._search_awq(groups, calib)
+            self._search_awq(groups, thinned(calib, self.windows, self.opts.calibration_samples)
+                             if self.opts.gptq else calib)
         if self.opts.gptq:
             self._gptq_inputs(groups, calib)
 
@@ -299,15 +304,15 @@ class Calibrator:
         """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
-            self._gptq_inputs([self.head], self._head_inputs(runner))
+            self._gptq_inputs([self.head], self._head_inputs(runner, self.every))
         if self.opts.format == "int3" and self.opts.int3_gate:
             self.plan.reference_ppl = runner.perplexity(runner.hidden)
             self.plan.record["calibration"]["reference_ppl"] = round(self.plan.reference_ppl, 6)
 
-    def _head_inputs(self, runner: BlockRunner) -> Calibration:
-        """The output head's input statistics: the final norm's outputs on the last block's."""
+    def _head_inputs(self, runner: BlockRunner, picks: list[mx.array]) -> Calibration:
+        """The output head's input statistics, rows at `picks`: the final norm's outputs on the last block's."""
         norm = runner.module(self.head.module)
-        return record_output([norm(h) for h in runner.hidden], self.head, self.picks)
+        return record_output([norm(h) for h in runner.hidden], self.head, picks)
 
     def _mixed(self, runner: BlockRunner) -> None:
         """A first pass over every block: AWQ's scales (kept for the second pass) and each quantized tensor's
@@ -356,7 +361,7 @@ class Calibrator:
                 quantizers[name] = fitting(offered, shapes[name][1])
         if self.head is not None and self.head.members[0] in quantizers:
             name = self.head.members[0]
-            x = self._head_inputs(runner).samples["head"]
+            x = self._head_inputs(runner, self.picks).samples["head"]
             measured[name] = [tensor_losses(name, self.source.weight(name), x, self.plan.transform,
                                             quantizers[name])]
         name = "token_embedding.weight"
@@ -459,7 +464,7 @@ class Calibrator:
                 "method": f"GPTQ: columns rounded in order, each error spread by the inverse Hessian of the "
                 f"layer's calibration inputs (damping {DAMPING} of its mean diagonal); grids are the store's own",
                 "tensors": len(self.gptq_tensors),
-                "samples": int(sum(len(p) for p in self.picks)),
+                "samples": int(sum(len(p) for p in self.every)),
             }
         return record
 

@@ -109,6 +109,13 @@ def sample_positions(windows: Sequence[Window], samples: int) -> list[mx.array]:
     return picks
 
 
+def thinned(calib: Calibration, windows: Sequence[Window], samples: int) -> Calibration:
+    """`calib`, recorded at every position, with only the rows `sample_positions(windows, samples)` keeps: those
+    are every stride-th position of the whole text, as the rows are."""
+    stride = max(1, math.ceil(sum(len(w.tokens) - 1 for w in windows) / max(samples, 1)))
+    return Calibration(calib.abs_mean, {name: rows[::stride] for name, rows in calib.samples.items()})
+
+
 def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks: Sequence[mx.array],
            hidden: Sequence[mx.array] | None = None) -> tuple[Calibration, list[mx.array]]:
     """Run block `block` (loaded) on the windows' hidden states, recording each group's input statistics: what

@@ -12,6 +12,7 @@ import sys
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -160,30 +161,49 @@ def test_cli_bpw_reports_the_store(tiny_llama, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_recorders_on_one_module_leave_the_model_as_it_was(tiny_llama, tokenizer_dir, tmp_path):
-    """Mixed precision's one-linear groups and AWQ's q/k/v group both record q's input: the two recorders wrap each
-    other and must both come off, or q's weight is left under the wrapper where no load reaches it."""
+def _runner(src, window: int = 1024):
+    """A BlockRunner of `src` on its first calibration tokens (in windows of `window`), block 0 loaded."""
     from squishlike.calibration.blocks import BlockRunner
-    from squishlike.calibration.stats import calibration_windows, sample_positions
+    from squishlike.calibration.stats import calibration_windows
+    from squishlike.config import load_config
     from squishlike.model import model_tokenizer, new_model
     from squishlike.provider import WeightProvider
-    from squishlike.config import load_config
 
-    with WeightProvider.open(tiny_llama) as provider:
+    with WeightProvider.open(src) as provider:
         model = new_model(provider.dense_config(), provider.reader.path)
-        tokenizer = model_tokenizer(load_config(tiny_llama), tiny_llama, provider.reader.path)
-        windows = calibration_windows(tokenizer, max_tokens=64)
+        tokenizer = model_tokenizer(load_config(src), src, provider.reader.path)
+        windows = calibration_windows(tokenizer, max_tokens=200, window=window)
         canonical = {provider.mlx_name(n): n for n in provider.names()}
+        tensors = {n: provider.get(canonical[n]) for n in canonical}
+    runner = BlockRunner(model, list(canonical), lambda names: ((n, tensors[n]) for n in names), windows)
+    runner.load(0)
+    return runner, windows
 
-        def weights(names):
-            for n in names:
-                yield n, provider.get(canonical[n])
 
-        runner = BlockRunner(model, list(canonical), weights, windows)
-        runner.load(0)
-        before = [k for k, _ in tree_flatten(model.parameters())]
-        q = "model.layers.0.self_attn.q_proj"
-        groups = [ScaleGroup("attn", "attn", 0, q, (), ()), ScaleGroup("q", "tensor", -1, q, (), ())]
-        calib, _ = record(runner, 0, groups, sample_positions(windows, 16))
-        assert [k for k, _ in tree_flatten(model.parameters())] == before
-        assert mx.array_equal(mx.array(calib.samples["attn"]), mx.array(calib.samples["q"]))
+def test_recorders_on_one_module_leave_the_model_as_it_was(tiny_llama):
+    """Mixed precision's one-linear groups and AWQ's q/k/v group both record q's input: the two recorders wrap each
+    other and must both come off, or q's weight is left under the wrapper where no load reaches it."""
+    from squishlike.calibration.stats import sample_positions
+
+    runner, windows = _runner(tiny_llama)
+    before = [k for k, _ in tree_flatten(runner.model.parameters())]
+    q = "model.layers.0.self_attn.q_proj"
+    groups = [ScaleGroup("attn", "attn", 0, q, (), ()), ScaleGroup("q", "tensor", -1, q, (), ())]
+    calib, _ = record(runner, 0, groups, sample_positions(windows, 16))
+    assert [k for k, _ in tree_flatten(runner.model.parameters())] == before
+    assert mx.array_equal(mx.array(calib.samples["attn"]), mx.array(calib.samples["q"]))
+
+
+@pytest.mark.parametrize("samples", [7, 64, 10_000])
+def test_the_awq_searchs_rows_are_every_strideth_of_gptqs(tiny_llama, samples):
+    """GPTQ records every calibration position; the AWQ search takes from them (`thinned`) exactly the rows
+    `sample_positions` keeps, across windows."""
+    from squishlike.calibration.stats import sample_positions, thinned
+
+    runner, windows = _runner(tiny_llama, window=48)
+    assert len(windows) > 2
+    groups = [ScaleGroup("attn", "attn", 0, "model.layers.0.self_attn.q_proj", (), ())]
+    every, _ = record(runner, 0, groups, sample_positions(windows, 10**9))
+    assert len(every.samples["attn"]) == sum(len(w.tokens) - 1 for w in windows)
+    sampled, _ = record(runner, 0, groups, sample_positions(windows, samples))
+    assert np.array_equal(thinned(every, windows, samples).samples["attn"], sampled.samples["attn"])
