@@ -37,6 +37,7 @@ from .io.lock import exclusive
 from .options import checks_options
 
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
+GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
 
 
 @dataclass
@@ -385,7 +386,10 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
                      kind: str | None):
     """(manifest entry, values, their dtype, quantized parts or None, whether the outlier check is done) of one
     tensor, by the scheme rules (`kind`: its weight_kinds entry). A source triple the scheme can hold as it is is
-    repacked (`repack`), never rounded a second time."""
+    repacked (`repack`), never rounded a second time; a tensor the store the plan came from holds as this compress
+    writes it (`Plan.unchanged`) is copied from there."""
+    if plan is not None and (unchanged := plan.unchanged_parts(name)) is not None:
+        return _unchanged_tensor(provider, name, info, opts, plan, kind, *unchanged)
     triple = provider.get_quantized(name)
     array, src_dtype = to_numpy(provider.get(name) if triple is None else triple.dequantize())
     array = np.asarray(array, order="C")  # not ascontiguousarray, which makes a 0-d array 1-d
@@ -406,12 +410,14 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
         return entry, array, src_dtype, parts, False
     if entry.kind.grouped:  # per-row INT8 scales are always float32, one per row
         entry.group_size, entry.scale_dtype = opts.groups, runtime
-    try:
-        parts = _quantize(array, src_dtype, scheme, opts, runtime)
-    except ValueError as e:
-        raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
     sized = plan is not None and plan.sized(name)  # a size target's width stays, outlier or not: the plan chose it
     # knowing its loss, and the bytes of an exact tensor would break the target
+    parts = None
+    if not (sized and plan.compensates(name, scheme)):  # the plain rounding, unless GPTQ replaces it unchecked
+        try:
+            parts = _quantize(array, src_dtype, scheme, opts, runtime)
+        except ValueError as e:
+            raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
     if plan is None or (not sized and error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]):
         return entry, array, src_dtype, parts, False
     # GPTQ trades error in the weights for error in the layer's output: whether a tensor is an outlier is decided
@@ -419,8 +425,19 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     compensated = plan.quantize(name, array, src_dtype, scheme)
     if compensated is None:
         return entry, array, src_dtype, parts, sized
-    entry.reason += "; GPTQ (rounding errors compensated on the calibration inputs)"
+    entry.reason += GPTQ_REASON
     return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
+
+
+def _unchanged_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, plan, kind: str | None,
+                      earlier: TensorEntry, parts: dict[str, np.ndarray]):
+    """`_quantize_tensor`'s answer for a tensor copied from the store the plan came from (`earlier`: its entry
+    there; `parts`: its parts): this store's entry, with the error statistics of those very parts."""
+    scheme, reason = plan.scheme(name, *choose_scheme(name, earlier.shape, opts, kind))
+    entry = TensorEntry(encode_key(name), provider.source_name(name), earlier.shape, info.dtype, scheme,
+                        reason + (GPTQ_REASON if plan.compensates(name, scheme) else ""),
+                        group_size=earlier.group_size, scale_dtype=earlier.scale_dtype, error=earlier.error)
+    return entry, None, None, parts, True
 
 
 def _finish_tensor(writer: NpyDirWriter, name: str, entry: TensorEntry, array: np.ndarray, src_dtype: str,
@@ -428,7 +445,7 @@ def _finish_tensor(writer: NpyDirWriter, name: str, entry: TensorEntry, array: n
     """Error statistics and the outlier check (unless `checked` already), then the tensor's files (the writer):
     the manifest entry, complete."""
     scheme = entry.scheme
-    if entry.kind.quantized:
+    if entry.kind.quantized and entry.error is None:  # (a copied tensor's are known)
         entry.error = error_stats(array, src_dtype, parts, entry)
         if not checked and entry.error.rel_error > ERROR_LIMITS[scheme]:
             entry.scheme = "passthrough"
