@@ -6,6 +6,7 @@ measuring again. Real SmolLM2 for the 1 % and the retarget; a tiny llama for the
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -14,10 +15,13 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
+import numpy as np
 import squishlike
 from squishlike.calibration.stats import ScaleGroup, record
-from squishlike.errors import BudgetError
+from squishlike.compressor import GPTQ_REASON
+from squishlike.errors import BudgetError, IntegrityError
 from squishlike.npydir import NpyDir
+from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
 
 FAST = {"gptq": False, "calibration_max_tokens": 256}  # the measure and the plan, without GPTQ's time
 
@@ -61,6 +65,68 @@ def test_another_size_is_planned_from_the_kept_sensitivities(smollm_gguf, smollm
     assert report["measured_in"] == str(smollm_at_4)
     assert report["sensitivity"] == NpyDir(smollm_at_4).manifest.extra["bpw"]["sensitivity"]
     assert store.manifest.extra["awq"]["groups"] == NpyDir(smollm_at_4).manifest.extra["awq"]["groups"]  # taken
+
+
+@pytest.fixture(scope="module")
+def llama_at_4_5(tmp_path_factory):
+    """A tiny llama and its measuring compress at 4.5 bits a weight, AWQ, GPTQ and clip search on (bpw's
+    defaults): (source, store)."""
+    where = tmp_path_factory.mktemp("retarget")
+    src = make_hf_model(where / "llama", TINY_CONFIGS["llama"], make_tokenizer(where / "tokenizer"))
+    return src, squishlike.compress(src, where / "at4.5", bpw=4.5)
+
+
+def _copied(stderr: str) -> int:
+    """How many tensors a second size copied, as its log says."""
+    return int(next(line for line in stderr.splitlines() if "tensors keep the width" in line).split()[1])
+
+
+def test_a_second_size_is_what_a_measuring_compress_writes_its_unchanged_tensors_copied(llama_at_4_5, tmp_path,
+                                                                                        capfd):
+    src, first = llama_at_4_5
+    capfd.readouterr()
+    second = NpyDir(squishlike.compress(src, tmp_path / "second", bpw=5.5, sensitivity_from=first))
+    copied = _copied(capfd.readouterr().err)
+    measured = NpyDir(squishlike.compress(src, tmp_path / "measured", bpw=5.5))
+    earlier = NpyDir(first).manifest.tensors
+    kept = [n for n, e in measured.manifest.tensors.items() if e.kind.quantized and earlier[n].scheme == e.scheme]
+    assert copied == len(kept) > 0  # copied: every tensor whose width stays, GPTQ'd ones among them
+    assert any(measured.manifest.tensors[n].reason.endswith(GPTQ_REASON) for n in kept)
+    assert len(kept) < sum(e.kind.quantized for e in measured.manifest.tensors.values())  # and some rounded anew
+    for name, entry in measured.manifest.tensors.items():  # bit for bit, with the same entries
+        assert second.manifest.tensors[name].to_json() == entry.to_json(), name
+        for suffix in entry.kind.suffixes:
+            assert np.array_equal(second.load_part(name, suffix), measured.load_part(name, suffix)), (name, suffix)
+    records = dict(second.manifest.extra, bpw={k: v for k, v in second.manifest.extra["bpw"].items()
+                                               if k != "measured_in"})
+    assert records == measured.manifest.extra
+
+
+def test_a_second_size_with_other_rounding_options_copies_nothing(llama_at_4_5, tmp_path, capfd):
+    src, first = llama_at_4_5
+    capfd.readouterr()
+    second = NpyDir(squishlike.compress(src, tmp_path / "second", bpw=5.5, sensitivity_from=first,
+                                        clip_search=False))
+    assert _copied(capfd.readouterr().err) == 0
+    earlier = NpyDir(first)
+    same_width = [n for n, e in second.manifest.tensors.items()
+                  if e.kind.quantized and earlier.manifest.tensors[n].scheme == e.scheme]
+    assert same_width and all(not np.array_equal(second.load_part(n, "q4"), earlier.load_part(n, "q4"))
+                              for n in same_width if second.manifest.tensors[n].scheme == "int4")
+
+
+def test_a_damaged_store_to_copy_from_is_refused_and_nothing_is_written(llama_at_4_5, tmp_path):
+    src, first = llama_at_4_5
+    damaged = tmp_path / "damaged"
+    shutil.copytree(first, damaged)
+    pack = sorted((damaged / "tensors").glob("pack-*.safetensors"))[-1]
+    data = bytearray(pack.read_bytes())
+    data[-1] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=pack.name):
+        squishlike.compress(src, tmp_path / "again", bpw=5.5, sensitivity_from=damaged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"]
+    assert NpyDir(first).manifest.tensors  # the store it came from is untouched
 
 
 def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path):
