@@ -72,7 +72,7 @@ def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smo
 
 @pytest.mark.parametrize("options, message", [
     ({"bpw": 1.5}, "bpw=1.5 is out of range"),
-    ({"bpw": 4.0, "scheme": "int8"}, "leave format='int8'"),
+    ({"bpw": 4.0, "scheme": "int8"}, "leave scheme='int8'"),
     ({"bpw": 4.0, "mixed_precision": 0.1}, "both choose widths"),
     ({"sensitivity_from": "elsewhere"}, "give bpw= too"),
 ])
