@@ -151,12 +151,19 @@ class CompressOptions:
         return next((rule for rule in self.bits if fnmatch.fnmatchcase(name, rule[0])), None)
 
     def check_tiers_fit_scheme(self) -> None:
-        """Refuse a quantized tier that this store's scheme can never feed. The API takes such a policy (the
-        tier is skipped, as `tiers=` every tier reads); the CLI, where it is a user's mistake, refuses it."""
-        for tier in set(self.tiers or ()) & set(QUANTIZED_TIERS):
-            if tier != self.scheme:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
-                raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
-                                 f"scheme={self.scheme}; leave {tier} out of tiers= or compress with scheme={tier}")
+        """Refuse a quantized tier that this store can never feed. A quantized tier holds the store's group-wise
+        tensors when it holds any of the tier's width (docs/format.md §6.3): a store of that scheme, one whose `bits`
+        rules name that width, or a bits-per-weight target's, whose plan may give any width. The API takes such a
+        policy (the tier is skipped, as `tiers=` every tier reads); the CLI, where it is a user's mistake, refuses
+        it."""
+        if self.bpw is not None:
+            return
+        # (a rule of no width is validate()'s to refuse)
+        fed = {self.scheme, *(NATIVE_TIERS.get(WIDTHS.get(bits, "")) for _, bits in self.bits)}
+        for tier in sorted(set(self.tiers or ()) & set(QUANTIZED_TIERS) - fed):
+            raise ValueError(f"tier {tier} is built only from a store holding {tier} tensors and this one is "
+                             f"scheme={self.scheme} with no bits= rule of that width; leave {tier} out of tiers=, "
+                             f"compress with scheme={tier}, or give a bits= rule of its width")
 
 
 def default_tiers(opts: CompressOptions, schemes: set[str]) -> tuple[str, ...]:

@@ -107,7 +107,7 @@ def compress(
     - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
       quantized source.
     - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3" (a quantized tier
-      only in a store of that scheme); None: mlx plus the store's quantized tier.
+      only in a store holding tensors of its width); None: mlx plus the store's quantized tiers.
     - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
 
     Calibration options run the source model in float32 on the shipped calibration text; an INT4 store is

@@ -231,8 +231,10 @@ def test_compress_says_what_it_did_on_stdout_and_json(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("fmt,tiers,problem", [
-    ("int4", "int3", "tier int3 is built only from an int3 store and this one is --scheme int4"),
-    ("int8", "mlx,int4", "tier int4 is built only from an int4 store and this one is --scheme int8"),
+    ("int4", "int3", "tier int3 is built only from a store holding int3 tensors and this one is --scheme int4 with "
+                     "no --bits rule of that width; leave int3 out of --tiers, compress with --scheme int3, or give a "
+                     "--bits rule of its width"),
+    ("int8", "mlx,int4", "tier int4 is built only from a store holding int4 tensors and this one is --scheme int8"),
     ("int8", "", "argument --tiers: names no tier"),
     ("int8", "mlx,fast", "--tiers names unknown tier(s) fast"),
 ])

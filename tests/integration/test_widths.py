@@ -90,6 +90,14 @@ def test_cli_takes_rules_and_inspect_shows_the_widths(tiny_llama, tmp_path):
     assert {e.scheme for e in store.entries.values()} == {"int6", "int3", "passthrough"}
     summary = cli("inspect", out).stdout
     assert f"21 tensors (5 passthrough, 2 int6, 14 int3), {store.manifest.bits_per_weight():.3f} bits per weight" in summary
+    # A tier of a width that only a rule gives is the user's to ask for: the int8 tier holds the store's
+    # group-wise tensors (8-bit down projections, 4-bit the rest) natively.
+    out8 = tmp_path / "out8"
+    cli("compress", tiny_llama, "-o", out8, "--scheme", "int4", "--bits", "*.ffn.down.*=8", "--tiers", "mlx,int8",
+        "--no-awq", "--no-gptq")
+    assert NpyDir(out8).manifest.policy.tiers == ("mlx", "int8")
+    squishlike.load(out8, tier="int8")
+    assert (out8 / ".squish_8bit_ready").exists()
     for bad, problem in (("*=7", "--bits *=7 is not a width"), ("down=six", "argument --bits: 'down=six' is not")):
         done = cli("compress", tiny_llama, "-o", tmp_path / "bad", "--scheme", "int4", "--bits", bad, rc=2)
         assert problem in done.stderr.splitlines()[-1]
