@@ -1,7 +1,9 @@
 """A size target (issue 33): `compress(bpw=X)` gives every quantizable tensor the width among 2-8 bits (or exact)
 that changes its block's output least, measured in the block-by-block pass, within X bits per weight as mlx_lm
 counts them; the sensitivities are kept in the manifest and plan another size (`sensitivity_from`) without
-measuring again. Real SmolLM2 for the 1 % and the retarget; a tiny llama for the errors and the measure's plumbing."""
+measuring again, copying the tensors whose width stays from the store they came from. Real SmolLM2 for the 1 % and
+the retarget; a tiny llama (AWQ and GPTQ on) for a second size against a measuring compress, the errors and the
+measure's plumbing."""
 
 from __future__ import annotations
 
