@@ -46,7 +46,7 @@ class CompressReport:
     path: Path
     source: str
     source_dtype: str  # the dtype of the source's largest tensor: "bfloat16", "Q4_1", ...
-    format: str
+    scheme: str  # the uniform scheme asked for (CompressOptions.scheme): int8, int4 or int3
     tiers: tuple[str, ...]
     tensors: int
     quantized: int
@@ -57,7 +57,7 @@ class CompressReport:
     def summary(self) -> str:
         before, after = self.source_bytes, max(self.store_bytes, 1)
         relation = (f"{before / after:.1f}x smaller than" if after <= before else f"{after / before:.1f}x the size of")
-        return (f"{self.path}: the {self.format.upper()} store is {relation} the {self.source_dtype} source "
+        return (f"{self.path}: the {self.scheme.upper()} store is {relation} the {self.source_dtype} source "
                 f"({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB); {self.tensors} tensors, {self.quantized} "
                 f"quantized, in {self.seconds:.1f} s")
 
@@ -107,7 +107,7 @@ def compress(
     - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
       quantized source.
     - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3" (a quantized tier
-      only in a store of that format); None: mlx plus the store's quantized tier.
+      only in a store holding tensors of its width); None: mlx plus the store's quantized tiers.
     - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
 
     Calibration options run the source model in float32 on the shipped calibration text; an INT4 store is
@@ -143,7 +143,7 @@ def compress(
                       DeprecationWarning, stacklevel=3)  # the caller's line: checks_options wraps this function
         scheme = format
     opts = CompressOptions(
-        format=scheme,
+        scheme=scheme,
         group_size=group_size,
         passthrough=passthrough,
         bits=bits,
@@ -180,7 +180,7 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
                                            "options": asdict(opts)})
             try:
                 writer, plan = _write_store(provider, tmp, out, opts)
-                if opts.format == "int3":
+                if opts.scheme == "int3":
                     _gate_int3(provider, writer, out, opts, plan)
                 resume.clear(tmp)
                 publish_dir(tmp, out)
@@ -195,7 +195,7 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
         dtype = source_dtype(provider)
         source_bytes = sum(t.nbytes for t in provider.reader.tensors().values())
     manifest = writer.manifest
-    return CompressReport(out, str(src), dtype, opts.format, manifest.policy.tiers, len(manifest.tensors),
+    return CompressReport(out, str(src), dtype, opts.scheme, manifest.policy.tiers, len(manifest.tensors),
                           sum(e.kind.quantized for e in manifest.tensors.values()), source_bytes,
                           sum(r.size for r in manifest.part_files().values()), round(time.perf_counter() - started, 1))
 
@@ -209,7 +209,7 @@ def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: 
     writer.record_int3_gate(gate)
     if opts.int3_gate and not gate["passed"]:
         raise AccuracyGateError(
-            f"{out}: not written: the INT3 store fails its accuracy gate ({gate['reason']}). Options: format=int4; "
+            f"{out}: not written: the INT3 store fails its accuracy gate ({gate['reason']}). Options: scheme=int4; "
             f"or keep the most sensitive tensors at INT8 with mixed_precision=0.1; or accept the loss by raising "
             f"int3_max_ppl_increase={opts.int3_max_ppl_increase} explicitly"
         )
@@ -465,7 +465,7 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
     writer.write_manifest(
         model_type=provider.config.model_type,
         naming=provider.arch.canonical_names,
-        scheme=opts.scheme,
+        scheme=opts.stored_scheme,
         group_size=opts.groups,
         clip_search=opts.clip_search,
         source=Source(str(source.absolute()), provider.format, source_fingerprint(source)),

@@ -95,8 +95,8 @@ class _SourceWeights:
         self.shapes = parameter_shapes(model)  # of the unevaluated model: no memory
         self.kinds = weight_kinds(provider, model)
         self.runtime = runtime
-        self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
-        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
+        self.base = Quantizer(opts.stored_scheme, opts.groups, runtime, opts.clip_search)
+        self.high = Quantizer("int8" if opts.scheme != "int8" else "passthrough", opts.groups, runtime)
         # What a bits-per-weight target chooses among: each width, group-wise, and exact
         self.widths = (*(Quantizer(WIDTHS[b], opts.groups, runtime, opts.clip_search) for b in WIDTHS),
                        Quantizer("passthrough", opts.groups, runtime))
@@ -111,7 +111,7 @@ class _SourceWeights:
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
         scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
-        return self.base if scheme == self.opts.scheme else None
+        return self.base if scheme == self.opts.stored_scheme else None
 
     def stored_bytes(self, name: str, dtype: str) -> int:
         """The bytes `name` takes in the store by compress's rules alone (no width planned for it); `dtype`: the
@@ -284,7 +284,7 @@ class Calibrator:
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
             self._gptq_inputs([self.head], self._head_inputs(runner))
-        if self.opts.format == "int3" and self.opts.int3_gate:
+        if self.opts.scheme == "int3" and self.opts.int3_gate:
             self.plan.reference_ppl = runner.perplexity(runner.hidden)
             self.plan.record["calibration"]["reference_ppl"] = round(self.plan.reference_ppl, 6)
 
