@@ -9,7 +9,7 @@ its process read meanwhile (`rchar` of /proc/self/io: every read/pread, from dis
 process copies out of a memory map: squishlike's column cuts, counted instead by SliceReader.bytes_read, which
 sharded_load logs). Files are warm in the page cache: this measures reading and dequantizing, not the disk.
 
-    python -m benchmarks.bench_sharded [--workdir DIR] [--rounds N] [--format int8|int4]
+    python -m benchmarks.bench_sharded [--workdir DIR] [--rounds N] [--scheme int8|int4]
 
 `--slices` times instead the reading of a first launch alone, in one process: SliceReader.read of one rank's half
 of 4096x4096 weights, cut along the columns (what o_proj and down_proj keep) and along the rows, from an INT4 g64
@@ -119,7 +119,7 @@ def launch(loader: str, model: Path, mode: str, out: Path) -> list[dict]:
         raise RuntimeError(f"{loader} {mode}: a rank failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}") from None
 
 
-def prepare(workdir: Path, fmt: str) -> tuple[Path, Path]:
+def prepare(workdir: Path, scheme: str) -> tuple[Path, Path]:
     from benchmarks.loadbench.models import build_qwen_like
 
     import squishlike
@@ -131,14 +131,14 @@ def prepare(workdir: Path, fmt: str) -> tuple[Path, Path]:
 
         with safe_open(str(source / "model.safetensors"), "numpy") as f:
             index.write_text(json.dumps({"weight_map": dict.fromkeys(f.keys(), "model.safetensors")}))
-    store = workdir / f"store-{fmt}"
+    store = workdir / f"store-{scheme}"
     if not (store / "manifest.json").exists():
-        squishlike.compress(source, store, scheme=fmt, group_size=64, tiers=[], force=True)
+        squishlike.compress(source, store, scheme=scheme, group_size=64, tiers=[], force=True)
     return source, store
 
 
-def run(workdir: Path, rounds: int, fmt: str) -> dict:
-    source, store = prepare(workdir, fmt)
+def run(workdir: Path, rounds: int, scheme: str) -> dict:
+    source, store = prepare(workdir, scheme)
     for path in [*source.rglob("*"), *store.rglob("*")]:  # warm the page cache
         if path.is_file():
             path.read_bytes()
@@ -151,7 +151,7 @@ def run(workdir: Path, rounds: int, fmt: str) -> dict:
                 ranks = launch(loader, source if loader == "mlx_lm" else store, mode, workdir / "out")
                 for rank, r in enumerate(ranks):
                     results.setdefault((mode, loader, rank), []).append(r)
-    return {"format": fmt, "rounds": rounds, "rows": [
+    return {"scheme": scheme, "rounds": rounds, "rows": [
         {"mode": mode, "loader": loader, "rank": rank,
          "seconds": statistics.median(r["seconds"] for r in runs), "bytes": statistics.median(r["bytes"] for r in runs)}
         for (mode, loader, rank), runs in results.items()]}
@@ -166,11 +166,11 @@ def slices(workdir: Path, repeats: int = 5) -> str:
     from squishlike.npydir.slices import SliceReader
 
     source = build_qwen_like(workdir / "slices-4096-bf16", None, SLICES_MODEL)
-    lines = ["| format | axis | ms (median) | MB read |", "|---|---|---:|---:|"]
-    for fmt, group_size in (("int4", 64), ("int8", "row")):
-        path = workdir / f"slices-4096-{fmt}"
+    lines = ["| scheme | axis | ms (median) | MB read |", "|---|---|---:|---:|"]
+    for scheme, group_size in (("int4", 64), ("int8", "row")):
+        path = workdir / f"slices-4096-{scheme}"
         if not (path / "manifest.json").exists():
-            squishlike.compress(source, path, scheme=fmt, group_size=group_size, tiers=[], force=True)
+            squishlike.compress(source, path, scheme=scheme, group_size=group_size, tiers=[], force=True)
         store = NpyDir(path)
         names = [n for n, e in store.entries.items() if list(e.shape) == [4096, 4096]]
         for axis, label in ((1, "columns"), (0, "rows")):
@@ -180,7 +180,7 @@ def slices(workdir: Path, repeats: int = 5) -> str:
                 for name in names:
                     reader.read(name, axis, np.arange(2048))
                 times.append(time.perf_counter() - started)
-            lines.append(f"| {fmt} | {label} of {len(names)} | {statistics.median(times) * 1e3:.1f} | "
+            lines.append(f"| {scheme} | {label} of {len(names)} | {statistics.median(times) * 1e3:.1f} | "
                          f"{reader.bytes_read / repeats / 1e6:.1f} |")
     return "\n".join(lines)
 
@@ -206,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path,
                         default=Path(os.environ.get("TMPDIR", "/tmp")) / "squishlike-bench-sharded")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--format", choices=("int8", "int4"), default="int4")
+    parser.add_argument("--scheme", choices=("int8", "int4"), default="int4")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--slices", action="store_true", help="time SliceReader.read alone (see above)")
     args = parser.parse_args(argv)
     if args.slices:
         print(slices(args.workdir))
         return 0
-    result = run(args.workdir, args.rounds, args.format)
+    result = run(args.workdir, args.rounds, args.scheme)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(markdown(result))

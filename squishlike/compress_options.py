@@ -14,19 +14,19 @@ from .quant.schemes import SCHEMES, WIDTHS
 if TYPE_CHECKING:
     import mlx.nn as nn
 
-FORMATS = ("int8", "int4", "int3")
+SCHEMES_OFFERED = ("int8", "int4", "int3")  # the uniform points compress offers (CompressOptions.scheme)
 ROW = "row"  # --group-size for INT8's per-row symmetric form (scheme "int8"); a number picks group-wise "int8g"
 # The group sizes compress offers. INT3 offers only the sizes its accuracy gate is specified for, though its
 # kernels (like mx.quantize) also take 128.
 GROUP_SIZES = {"int8": (*SCHEMES["int8g"].group_sizes, ROW), "int4": SCHEMES["int4"].group_sizes, "int3": (32, 64)}
-# Formats whose embedding and output head are quantized by default, as mlx_lm.convert -q does at those bits; an
+# Schemes whose embedding and output head are quantized by default, as mlx_lm.convert -q does at those bits; an
 # INT3 store keeps them exact (3-bit ones fail its accuracy gate).
 EMBEDDINGS_QUANTIZED_BY_DEFAULT = ("int8", "int4")
-# Formats compressed by default with AWQ, GPTQ and clip search (each --no-X turns one off): at the bytes of
+# Schemes compressed by default with AWQ, GPTQ and clip search (each --no-X turns one off): at the bytes of
 # mlx_lm.convert -q --q-bits 4, 0.42x its mean KL on SmolLM2 (benchmarks/README.md). INT8 needs none of them.
 CALIBRATED_BY_DEFAULT = ("int4",)
 ALL_TIERS = ("mlx", "finalized", "int8", "int4", "int3")
-# The cache tier that holds each quantized scheme natively (every group-wise tensor of a store of that format or
+# The cache tier that holds each quantized scheme natively (every group-wise tensor of a store of that scheme or
 # holding that scheme, at its own width); a store's default policy is mlx plus these (default_tiers).
 NATIVE_TIERS = {"int8g": "int8", "int4": "int4", "int3": "int3"}
 QUANTIZED_TIERS = tuple(NATIVE_TIERS.values())
@@ -39,16 +39,16 @@ BPW_RANGE = (2.0, 16.0)
 
 @dataclass
 class CompressOptions:
-    format: str | None = None  # one of FORMATS; with group_size it names the stored scheme (`scheme`). None:
-    # int8, or int4 (the width of tensors a bits-per-weight target does not plan) with bpw
+    scheme: str | None = None  # one of SCHEMES_OFFERED; with group_size it names the stored scheme (`stored_scheme`).
+    # None: int8, or int4 (the width of tensors a bits-per-weight target does not plan) with bpw
     group_size: int | str = 64  # a number, or ROW for INT8's per-row form
     passthrough: tuple[str, ...] = ()  # fnmatch patterns of canonical names kept exact
     # (fnmatch pattern of canonical names, bits in WIDTHS[, group size]) rules, the first that matches a tensor the
     # store quantizes anyway giving its width and group size (the store's when left out; mlx_lm-style mixed
     # recipes: ("*.ffn.down.*", 6), ("layers.1[0-9].*", 3, 128))
     bits: tuple[tuple, ...] = ()
-    quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT formats
-    clip_search: bool | None = None  # None: on for CALIBRATED_BY_DEFAULT formats (as awq and gptq)
+    quantize_embeddings: bool | None = None  # None: for EMBEDDINGS_QUANTIZED_BY_DEFAULT schemes
+    clip_search: bool | None = None  # None: on for CALIBRATED_BY_DEFAULT schemes (as awq and gptq)
     dtype: str | None = None  # runtime dtype; default: the source's float dtype, bfloat16 for quantized sources
     tiers: tuple[str, ...] | None = None  # cache policy; default: mlx + the store's quantized tier
     force: bool = False
@@ -69,28 +69,28 @@ class CompressOptions:
 
     def __post_init__(self) -> None:
         self.passthrough = tuple(self.passthrough)
-        if self.format is None:
-            self.format = "int8" if self.bpw is None else "int4"
+        if self.scheme is None:
+            self.scheme = "int8" if self.bpw is None else "int4"
         self.bits = tuple(tuple(rule) if isinstance(rule, list) else rule for rule in self.bits)  # JSON's lists
         if self.quantize_embeddings is None:
-            self.quantize_embeddings = self.format in EMBEDDINGS_QUANTIZED_BY_DEFAULT
+            self.quantize_embeddings = self.scheme in EMBEDDINGS_QUANTIZED_BY_DEFAULT
         for method in ("awq", "gptq", "clip_search"):
             if getattr(self, method) is None:
-                setattr(self, method, self.format in CALIBRATED_BY_DEFAULT)
+                setattr(self, method, self.scheme in CALIBRATED_BY_DEFAULT)
 
     @property
     def calibrates(self) -> bool:
         """Whether compress runs the source model in float32: calibration (AWQ, GPTQ, mixed precision) or the INT3
         accuracy gate."""
         return bool(self.awq or self.gptq or self.mixed_precision > 0 or self.bpw is not None
-                    or (self.format == "int3" and self.int3_gate))
+                    or (self.scheme == "int3" and self.int3_gate))
 
     @property
-    def scheme(self) -> str:
+    def stored_scheme(self) -> str:
         """The scheme linear weights are stored with: INT8 is group-wise ("int8g") unless asked per row."""
-        if self.format == "int8":
+        if self.scheme == "int8":
             return "int8" if self.group_size == ROW else "int8g"
-        return self.format
+        return self.scheme
 
     @property
     def groups(self) -> int:
@@ -99,12 +99,12 @@ class CompressOptions:
 
     def validate(self) -> None:
         """Raise ValueError naming the option (as `name=value`) whose value compress cannot use."""
-        if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r} is not a format; choose one of {', '.join(FORMATS)}")
-        if self.group_size not in GROUP_SIZES[self.format]:
+        if self.scheme not in SCHEMES_OFFERED:
+            raise ValueError(f"scheme={self.scheme!r} is not a scheme compress offers; choose one of {', '.join(SCHEMES_OFFERED)}")
+        if self.group_size not in GROUP_SIZES[self.scheme]:
             raise ValueError(
-                f"group_size={self.group_size} is not valid for {self.format}; "
-                f"choose one of {', '.join(map(str, GROUP_SIZES[self.format]))}"
+                f"group_size={self.group_size} is not valid for {self.scheme}; "
+                f"choose one of {', '.join(map(str, GROUP_SIZES[self.scheme]))}"
             )
         self._validate_bits()
         if self.dtype is not None and self.dtype not in NP_STORAGE:
@@ -125,9 +125,9 @@ class CompressOptions:
         if not BPW_RANGE[0] <= self.bpw <= BPW_RANGE[1]:
             raise ValueError(f"bpw={self.bpw} is out of range; choose a number of bits per weight in "
                              f"[{BPW_RANGE[0]}, {BPW_RANGE[1]}]")
-        if self.format != "int4" or self.group_size == ROW:
+        if self.scheme != "int4" or self.group_size == ROW:
             raise ValueError(f"bpw={self.bpw} chooses every tensor's width itself (group-wise, groups of "
-                             f"group_size); leave format={self.format!r} and group_size={self.group_size!r} out")
+                             f"group_size); leave scheme={self.scheme!r} and group_size={self.group_size!r} out")
         if self.mixed_precision > 0:
             raise ValueError(f"bpw={self.bpw} and mixed_precision={self.mixed_precision} both choose widths; "
                              "give one of them")
@@ -160,13 +160,20 @@ class CompressOptions:
         rule = self.width(name)
         return rule[2] if rule is not None and len(rule) == 3 else self.groups
 
-    def check_tiers_fit_format(self) -> None:
-        """Refuse a quantized tier that this store's format can never feed. The API takes such a policy (the
-        tier is skipped, as `tiers=` every tier reads); the CLI, where it is a user's mistake, refuses it."""
-        for tier in set(self.tiers or ()) & set(QUANTIZED_TIERS):
-            if tier != self.format:  # a quantized tier repacks the store's own codes (docs/format.md §6.3-6.4)
-                raise ValueError(f"tier {tier} is built only from an {tier} store and this one is "
-                                 f"format={self.format}; leave {tier} out of tiers= or compress with format={tier}")
+    def check_tiers_fit_scheme(self) -> None:
+        """Refuse a quantized tier that this store can never feed. A quantized tier holds the store's group-wise
+        tensors when it holds any of the tier's width (docs/format.md §6.3): a store of that scheme, one whose `bits`
+        rules name that width, or a bits-per-weight target's, whose plan may give any width. The API takes such a
+        policy (the tier is skipped, as `tiers=` every tier reads); the CLI, where it is a user's mistake, refuses
+        it."""
+        if self.bpw is not None:
+            return
+        # (a rule of no width is validate()'s to refuse)
+        fed = {self.scheme, *(NATIVE_TIERS.get(WIDTHS.get(rule[1], "")) for rule in self.bits)}
+        for tier in sorted(set(self.tiers or ()) & set(QUANTIZED_TIERS) - fed):
+            raise ValueError(f"tier {tier} is built only from a store holding {tier} tensors and this one is "
+                             f"scheme={self.scheme} with no bits= rule of that width; leave {tier} out of tiers=, "
+                             f"compress with scheme={tier}, or give a bits= rule of its width")
 
 
 def rule_text(rule: tuple) -> str:
@@ -176,10 +183,10 @@ def rule_text(rule: tuple) -> str:
 
 def default_tiers(opts: CompressOptions, schemes: set[str]) -> tuple[str, ...]:
     """The cache policy of a store holding `schemes` without `tiers=`: mlx and the native tier of each scheme it
-    holds and, when it holds any group-wise tensor, of its format (a mixed store's tensors may all have other
+    holds and, when it holds any group-wise tensor, of its scheme (a mixed store's tensors may all have other
     widths)."""
     if any(SCHEMES[s].grouped for s in schemes):
-        schemes = {*schemes, opts.scheme}
+        schemes = {*schemes, opts.stored_scheme}
     return ("mlx", *[tier for scheme, tier in NATIVE_TIERS.items() if scheme in schemes])
 
 
@@ -214,11 +221,11 @@ def choose_scheme(name: str, shape: tuple[int, ...], opts: CompressOptions, kind
         return "passthrough", "embedding the tied head multiplies by as a matrix (the model's code), kept dense"
     if kind == "embedding" and not opts.quantize_embeddings:
         return "passthrough", "embedding / lm_head (kept exact by --no-quantize-embeddings)"
-    if kind == "int8" and opts.format != "int8":
+    if kind == "int8" and opts.scheme != "int8":
         return "int8", "the model's quant_predicate keeps it at 8 bits"
     cols, groups = shape[-1], opts.group_for(name)
     if groups and cols % groups:
         return "passthrough", f"{cols} columns do not split into groups of {groups}"
     if kind != "int8" and (rule := opts.width(name)) is not None:  # the model's 8-bit wish above a rule's width
         return WIDTHS[rule[1]], f"matches --bits {rule_text(rule)}"
-    return opts.scheme, "linear weight"
+    return opts.stored_scheme, "linear weight"

@@ -37,6 +37,7 @@ from .io.lock import exclusive
 from .options import checks_options
 
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
+GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
 
 
 @dataclass
@@ -46,7 +47,7 @@ class CompressReport:
     path: Path
     source: str
     source_dtype: str  # the dtype of the source's largest tensor: "bfloat16", "Q4_1", ...
-    format: str
+    scheme: str  # the uniform scheme asked for (CompressOptions.scheme): int8, int4 or int3
     tiers: tuple[str, ...]
     tensors: int
     quantized: int
@@ -57,7 +58,7 @@ class CompressReport:
     def summary(self) -> str:
         before, after = self.source_bytes, max(self.store_bytes, 1)
         relation = (f"{before / after:.1f}x smaller than" if after <= before else f"{after / before:.1f}x the size of")
-        return (f"{self.path}: the {self.format.upper()} store is {relation} the {self.source_dtype} source "
+        return (f"{self.path}: the {self.scheme.upper()} store is {relation} the {self.source_dtype} source "
                 f"({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB); {self.tensors} tensors, {self.quantized} "
                 f"quantized, in {self.seconds:.1f} s")
 
@@ -108,7 +109,7 @@ def compress(
     - dtype: the runtime dtype, "float32", "float16" or "bfloat16"; None: the source's float dtype, bfloat16 for a
       quantized source.
     - tiers: the caches the first load builds, from "mlx", "finalized", "int8", "int4", "int3" (a quantized tier
-      only in a store of that format); None: mlx plus the store's quantized tier.
+      only in a store holding tensors of its width); None: mlx plus the store's quantized tiers.
     - force: replace an existing npy-dir at `out` (never a directory squishlike did not write).
 
     Calibration options run the source model in float32 on the shipped calibration text; an INT4 store is
@@ -145,7 +146,7 @@ def compress(
                       DeprecationWarning, stacklevel=3)  # the caller's line: checks_options wraps this function
         scheme = format
     opts = CompressOptions(
-        format=scheme,
+        scheme=scheme,
         group_size=group_size,
         passthrough=passthrough,
         bits=bits,
@@ -182,7 +183,7 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
                                            "options": asdict(opts)})
             try:
                 writer, plan = _write_store(provider, tmp, out, opts)
-                if opts.format == "int3":
+                if opts.scheme == "int3":
                     _gate_int3(provider, writer, out, opts, plan)
                 resume.clear(tmp)
                 publish_dir(tmp, out)
@@ -197,7 +198,7 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
         dtype = source_dtype(provider)
         source_bytes = sum(t.nbytes for t in provider.reader.tensors().values())
     manifest = writer.manifest
-    return CompressReport(out, str(src), dtype, opts.format, manifest.policy.tiers, len(manifest.tensors),
+    return CompressReport(out, str(src), dtype, opts.scheme, manifest.policy.tiers, len(manifest.tensors),
                           sum(e.kind.quantized for e in manifest.tensors.values()), source_bytes,
                           sum(r.size for r in manifest.part_files().values()), round(time.perf_counter() - started, 1))
 
@@ -211,7 +212,7 @@ def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: 
     writer.record_int3_gate(gate)
     if opts.int3_gate and not gate["passed"]:
         raise AccuracyGateError(
-            f"{out}: not written: the INT3 store fails its accuracy gate ({gate['reason']}). Options: format=int4; "
+            f"{out}: not written: the INT3 store fails its accuracy gate ({gate['reason']}). Options: scheme=int4; "
             f"or keep the most sensitive tensors at INT8 with mixed_precision=0.1; or accept the loss by raising "
             f"int3_max_ppl_increase={opts.int3_max_ppl_increase} explicitly"
         )
@@ -391,7 +392,10 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
                      kind: str | None):
     """(manifest entry, values, their dtype, quantized parts or None, whether the outlier check is done) of one
     tensor, by the scheme rules (`kind`: its weight_kinds entry). A source triple the scheme can hold as it is is
-    repacked (`repack`), never rounded a second time."""
+    repacked (`repack`), never rounded a second time; a tensor the store the plan came from holds as this compress
+    writes it (`Plan.unchanged`) is copied from there."""
+    if plan is not None and (unchanged := plan.unchanged_parts(name)) is not None:
+        return _unchanged_tensor(provider, name, info, opts, plan, kind, *unchanged)
     triple = provider.get_quantized(name)
     array, src_dtype = to_numpy(provider.get(name) if triple is None else triple.dequantize())
     array = np.asarray(array, order="C")  # not ascontiguousarray, which makes a 0-d array 1-d
@@ -414,12 +418,14 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
         return entry, array, src_dtype, parts, False
     if entry.kind.grouped:  # per-row INT8 scales are always float32, one per row
         entry.group_size, entry.scale_dtype = group_size, runtime
-    try:
-        parts = _quantize(array, src_dtype, scheme, opts, entry.group_size or 0, runtime)
-    except ValueError as e:
-        raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
     # A size target's width stays, outlier or not: the plan chose it knowing its loss, and the bytes of an exact
     # tensor would break the target
+    parts = None
+    if not (planned and plan.compensates(name, scheme)):  # the plain rounding, unless GPTQ replaces it unchecked
+        try:
+            parts = _quantize(array, src_dtype, scheme, opts, entry.group_size or 0, runtime)
+        except ValueError as e:
+            raise QuantizationError(f"{provider.reader.path}: {name}: {e}") from None
     if plan is None or (not planned and error_stats(array, src_dtype, parts, entry).rel_error > ERROR_LIMITS[scheme]):
         return entry, array, src_dtype, parts, False
     # GPTQ trades error in the weights for error in the layer's output: whether a tensor is an outlier is decided
@@ -427,8 +433,19 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     compensated = plan.quantize(name, array, src_dtype, scheme)
     if compensated is None:
         return entry, array, src_dtype, parts, planned
-    entry.reason += "; GPTQ (rounding errors compensated on the calibration inputs)"
+    entry.reason += GPTQ_REASON
     return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
+
+
+def _unchanged_tensor(provider: WeightProvider, name: str, info, opts: CompressOptions, plan, kind: str | None,
+                      earlier: TensorEntry, parts: dict[str, np.ndarray]):
+    """`_quantize_tensor`'s answer for a tensor copied from the store the plan came from (`earlier`: its entry
+    there; `parts`: its parts): this store's entry, with the error statistics of those very parts."""
+    scheme, reason = plan.scheme(name, *choose_scheme(name, earlier.shape, opts, kind))
+    entry = TensorEntry(encode_key(name), provider.source_name(name), earlier.shape, info.dtype, scheme,
+                        reason + (GPTQ_REASON if plan.compensates(name, scheme) else ""),
+                        group_size=earlier.group_size, scale_dtype=earlier.scale_dtype, error=earlier.error)
+    return entry, None, None, parts, True
 
 
 def _finish_tensor(writer: NpyDirWriter, name: str, entry: TensorEntry, array: np.ndarray, src_dtype: str,
@@ -436,7 +453,7 @@ def _finish_tensor(writer: NpyDirWriter, name: str, entry: TensorEntry, array: n
     """Error statistics and the outlier check (unless `checked` already), then the tensor's files (the writer):
     the manifest entry, complete."""
     scheme = entry.scheme
-    if entry.kind.quantized:
+    if entry.kind.quantized and entry.error is None:  # (a copied tensor's are known)
         entry.error = error_stats(array, src_dtype, parts, entry)
         if not checked and entry.error.rel_error > ERROR_LIMITS[scheme]:
             entry.scheme = "passthrough"
@@ -473,7 +490,7 @@ def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: Compress
     writer.write_manifest(
         model_type=provider.config.model_type,
         naming=provider.arch.canonical_names,
-        scheme=opts.scheme,
+        scheme=opts.stored_scheme,
         group_size=opts.groups,
         clip_search=opts.clip_search,
         source=Source(str(source.absolute()), provider.format, source_fingerprint(source)),

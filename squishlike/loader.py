@@ -6,8 +6,9 @@ MLX, GGUF, Ollama) loads straight through the provider. Either way the result is
 Why mlx_lm is imported inside `load`, not here: importing it (and with it transformers) takes about a second of
 single-threaded Python, and the other big cost of a warm load is faulting in the fresh memory the weights land in.
 So `load` of an npy-dir starts that fault-in (and a read-ahead of evicted tier files) on a background thread
-(tiers.prepare_memory: threads that only call madvise and fadvise) and imports meanwhile; then it reads the
-weights into the faulted memory, builds the model, then the tokenizer (docs/design.md §3).
+(tiers.prepare_memory: threads that only call madvise and fadvise), imports meanwhile (without transformers'
+AutoTokenizer registry, which it never uses: mlx_lm_import.py) and builds the tokenizer; then it reads the
+weights into the faulted memory and builds the model (docs/design.md §3).
 Everything that touches MLX or imports mlx_lm stays on this thread: importing mlx_lm creates an MLX stream
 (mlx_lm.generate's), and MLX streams belong to the thread that made them.
 """
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from .npydir import NpyDir, is_npydir
 from .hub import resolve
-from .tiers.load import load_weights
+from .mlx_lm_import import import_mlx_lm
+from .tiers.load import load_weights, verify_wanted
 from .tiers import decide, order
 from .tiers.prepare import prepare_memory, release_memory
 
@@ -68,20 +70,27 @@ def load(
         plan = decide(store, tier)  # the tier question, asked once: memory, the load and its log read the answer
         prepare_memory(store, lazy=lazy, plan=plan)  # fault in the weights' memory on a background thread
         try:
-            import mlx_lm  # noqa: F401  ~1 s of imports (transformers too), beside the fault-in; on this thread
+            import_mlx_lm()  # ~1 s of imports (transformers too), beside the fault-in; on this thread
+
+            from .model import model_tokenizer, source_model
 
             started = time.perf_counter()
+            verify = verify_wanted(verify)
+            store.check_side_files(verify)  # what the tokenizer reads, checked before it does
+            config = {**store.config(), **(model_config or {})}  # the eos ids the tokenizer takes, as mlx_lm's
+            tokenizer = model_tokenizer(config, store.path, store.path, tokenizer_config, trust_remote_code)
+            tokenizer_s = time.perf_counter() - started
             loaded = load_weights(store, tier, lazy, verify, plan=plan)
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started - tokenizer_s
             log.debug("%s: weights from the %s tier in %.3f s", store.path, loaded.tier, seconds,
-                      extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds}})
+                      extra={"load_phases": {"tier": loaded.tier, "weights_s": seconds, "tokenizer_s": tokenizer_s}})
         finally:
             release_memory()  # a reservation no load used (an error before load_weights)
-        from .model import assemble
         from .tiers.base import keep_uncast
 
-        config = loaded.config
-        model, tokenizer = assemble(config, loaded.weights, store.path, store.path, **options)
+        config = {**loaded.config, **(model_config or {})}
+        model = source_model(config, loaded.weights, store.path, store.path, lazy=lazy,
+                             trust_remote_code=trust_remote_code)
         keep_uncast(model, store, lazy)  # what mlx_lm keeps in float32 in a bf16 model, from the store
         if order.device_kind() == "cpu":  # a store's quantized layers take mlx[cpu]'s fast matmuls (cpu_layers.py)
             from .cpu_layers import use_cpu_kernels

@@ -56,6 +56,17 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's peak RSS (VmHWM) over from its RSS now (Linux: `5` to /proc/self/clear_refs), so that
+    peak_rss_bytes() tells what came after; whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def run_child(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `python ARGV`, a child that prints a JSON report (its last line) holding `ready_at`, its
     time.monotonic() when it was ready. Returns the report with wall_s = spawn -> ready, exit_s = spawn -> exit, and
@@ -77,7 +88,9 @@ def measure_load(path: str | Path, *, loader: str = "squishlike", tier: str | No
     phase timings (import_s, load_s, weights_s, tokenizer_s for mlx_lm, forward_s) and memory (rss_start,
     rss_after_import, rss_peak bytes). `in_process`: mlx_lm is imported before load_s starts, and `dropped_bytes`
     of MLX memory held and dropped (the model a process switching models drops first). `generate`: that
-    many tokens from a 64-token prompt after the load (first_token_s from spawn, tokens_per_s after it)."""
+    many tokens from a 64-token prompt after the load (first_token_s from spawn, tokens_per_s after it). After a
+    drop, rss_peak is the load's peak (the process's RSS at its highest from the load's start: rss_peak_reset),
+    not the dropped model's (rss_peak_dropped), whose size is that of the files being compared."""
     if loader not in LOADERS:
         raise ValueError(f"unknown loader {loader!r}; choose one of {', '.join(LOADERS)}")
     argv = ["-m", "squishlike.loadtime", loader, str(path)] + (["--tier", tier] if tier else [])
@@ -165,6 +178,9 @@ def _load_in_child(loader: str, path: str, tier: str | None, forward: bool, in_p
 
         if in_process:
             _drop_a_model(in_process)
+            # rss_peak is then the load's, not the dropped model's (whose size is the files' being compared)
+            phases["rss_peak_dropped"] = peak_rss_bytes()
+            phases["rss_peak_reset"] = reset_peak_rss()
     t_import = time.monotonic()
     rss_import = rss_now()
     model, tokenizer = load(path) if loader == "mlx_lm" else load(path, tier=tier)

@@ -257,16 +257,32 @@ def assemble(
     `model_file` is looked up beside it). `sanitized`: as for build_model."""
     if model_config:
         config.update(model_config)
+    model = source_model(config, weights, side_files, source, lazy=lazy, trust_remote_code=trust_remote_code,
+                         sanitized=sanitized)
+    return model, model_tokenizer(config, side_files, source, tokenizer_config, trust_remote_code)
+
+
+def source_model(
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    side_files: Path,
+    source: str | Path,
+    *,
+    lazy: bool = False,
+    trust_remote_code: bool = False,
+    sanitized: bool = False,
+) -> nn.Module:
+    """build_model for the model `source` names (assemble's model half): mlx_lm's complaints about it become a
+    FormatError naming `source`."""
     model_dir = Path(source) if Path(source).is_dir() else side_files
     try:
-        model = build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code,
-                            sanitized=sanitized)
+        return build_model(config, weights, lazy=lazy, model_dir=model_dir, trust_remote_code=trust_remote_code,
+                           sanitized=sanitized)
     except SquishError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError) as e:
         # mlx_lm's own complaint (a weight of the wrong shape, a config it cannot build), with the model's name
         raise FormatError(source, f"config and weights do not make a {config.get('model_type')} model: {e}") from e
-    return model, model_tokenizer(config, side_files, source, tokenizer_config, trust_remote_code)
 
 
 def model_tokenizer(

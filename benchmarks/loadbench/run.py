@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import json
 import os
 import time
 from pathlib import Path
 
+import squishlike
 from squishlike.loadtime import measure_load, run_child
 from squishlike.tiers.order import device_kind
 
@@ -196,6 +198,9 @@ def run_benchmark(model: str, workdir: Path, runs: int = 5, quick: bool = False,
     the baselines), write JSON, Markdown and PNG."""
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
+    # Installed packages carry their bytecode (mlx_lm's and transformers' do); a checkout run with
+    # PYTHONDONTWRITEBYTECODE=1 would have every timed child compile squishlike's modules from source (~0.1 s).
+    compileall.compile_dir(Path(squishlike.__file__).parent, quiet=1)
     started = time.monotonic()
     if model == "smollm":
         source, name = build_smollm_source(workdir / "smollm2-135m-bf16"), "smollm2"

@@ -17,7 +17,8 @@ import numpy as np
 from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
 from ..config import load_config
 from ..errors import BudgetError, FormatError, UnsupportedArchitectureError
-from ..npydir import MANIFEST, NpyDir, source_fingerprint
+from ..io.checksum import check_files
+from ..npydir import MANIFEST, NpyDir, TensorEntry, source_fingerprint
 from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
 from ..dtypes import NP_STORAGE
@@ -48,6 +49,10 @@ class Plan:
     inputs: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # linear -> (its group, the group's
     # calibration inputs), for GPTQ
     quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
+    # The store another size's widths were planned from (`sensitivity_from`), and its entries of the tensors it
+    # holds as this compress writes them (`Calibrator._unchanged`): compress copies their parts.
+    earlier: NpyDir | None = None
+    unchanged: dict[str, TensorEntry] = field(default_factory=dict)
     # The latest group's inverse-Hessian factor, shared by the linears that read one input (q, k, v; gate, up), which
     # compress reaches one after another. Only one is kept: a wide one (down's) is hundreds of MB.
     _factor: tuple[str, list[FactorSpan]] | None = field(default=None, init=False, repr=False)
@@ -64,15 +69,28 @@ class Plan:
     def quantize(self, name: str, array: np.ndarray, src_dtype: str, scheme: str) -> tuple[np.ndarray, ...] | None:
         """The parts of `name` (as `apply` returned it) quantized by GPTQ on its calibration inputs, when GPTQ was
         asked for and the tensor keeps the store's scheme; else None (compress rounds it to nearest)."""
-        qz = self.quantizers.get(name)
-        if qz is None or name not in self.inputs or scheme != qz.scheme:
+        if not self.compensates(name, scheme):
             return None
+        qz = self.quantizers[name]
         group, x = self.inputs[name]
         if self._factor is None or self._factor[0] != group:
             if name in self.transform.col:  # AWQ multiplied the weight's columns by s (the same for the whole
                 x = x / self.transform.col[name][None, :]  # group): its inputs are divided by s
             self._factor = group, inverse_hessian_factor(x)
         return gptq(array.reshape(array.shape[0], -1), src_dtype, qz, self._factor[1])
+
+    def compensates(self, name: str, scheme: str) -> bool:
+        """Whether `quantize` GPTQs `name` at `scheme` (it has the inputs and the quantizer of that scheme)."""
+        qz = self.quantizers.get(name)
+        return qz is not None and name in self.inputs and scheme == qz.scheme
+
+    def unchanged_parts(self, name: str) -> tuple[TensorEntry, dict[str, np.ndarray]] | None:
+        """The entry and parts of `name` in the store the widths were planned from, when it holds `name` as this
+        compress would write it (`unchanged`); else None."""
+        entry = self.unchanged.get(name)
+        if entry is None:
+            return None
+        return entry, {suffix: self.earlier.load_part(name, suffix) for suffix in entry.kind.suffixes}
 
     def rewrites(self, name: str) -> bool:
         """Whether `apply` changes the values of `name` (AWQ scaling): a source's own quantized values then no
@@ -103,8 +121,8 @@ class _SourceWeights:
         self.shapes = parameter_shapes(model)  # of the unevaluated model: no memory
         self.kinds = weight_kinds(provider, model)
         self.runtime = runtime
-        self.base = Quantizer(opts.scheme, opts.groups, runtime, opts.clip_search)
-        self.high = Quantizer("int8" if opts.format != "int8" else "passthrough", opts.groups, runtime)
+        self.base = Quantizer(opts.stored_scheme, opts.groups, runtime, opts.clip_search)
+        self.high = Quantizer("int8" if opts.scheme != "int8" else "passthrough", opts.groups, runtime)
         # What a bits-per-weight target chooses among: each width at each group size (those that split a
         # tensor's rows, `fitting`), and exact
         self.widths = (*(Quantizer(WIDTHS[b], g, runtime, opts.clip_search) for b in WIDTHS for g in PLAN_GROUP_SIZES),
@@ -120,7 +138,7 @@ class _SourceWeights:
     def quantizer_for(self, name: str) -> Quantizer | None:
         """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
         scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
-        if scheme != self.opts.scheme:
+        if scheme != self.opts.stored_scheme:
             return None
         group_size = self.opts.group_for(name)  # a `bits` rule may keep the scheme at another group size
         return self.base if group_size == self.base.group_size else Quantizer(scheme, group_size, self.runtime,
@@ -178,6 +196,7 @@ class Calibrator:
             "samples": opts.calibration_samples,
             "max_tokens": opts.calibration_max_tokens,
             "method": "block by block: each layer's inputs are the float32 outputs of the layer before",
+            "gptq_rows": "every calibration position",  # (a store without it GPTQ'd the AWQ search's rows)
         }
 
     def _weights(self, names):
@@ -305,7 +324,7 @@ class Calibrator:
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
             self._gptq_inputs([self.head], self._head_inputs(runner, self.every))
-        if self.opts.format == "int3" and self.opts.int3_gate:
+        if self.opts.scheme == "int3" and self.opts.int3_gate:
             self.plan.reference_ppl = runner.perplexity(runner.hidden)
             self.plan.record["calibration"]["reference_ppl"] = round(self.plan.reference_ppl, 6)
 
@@ -431,6 +450,30 @@ class Calibrator:
                 if not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
                     raise FormatError(where, f"bad AWQ record of group {group}: {found!r}")
             self.known_alphas = awq["groups"]
+        self.plan.earlier, self.plan.unchanged = store, self._unchanged(store)
+        log(f"{len(self.plan.unchanged)} of {len(self.plan.promote)} tensors keep the width they have in {store.path}: "
+            "their parts are copied")
+
+    def _unchanged(self, store: NpyDir) -> dict[str, TensorEntry]:
+        """The entries of the tensors `store` holds as this compress will write them. A tensor's stored form
+        follows from the source (the same: its fingerprint was checked), its width, the options that round it, and
+        its calibration inputs, which are the float source model's (each block runs on the float outputs of the
+        one before, never on rounded ones) scaled by AWQ's alphas (taken from `store`). So where `store` was made
+        with the same rounding and calibration options and holds a tensor at the width and group size planned here, its parts
+        are the ones this compress would compute, GPTQ's included: they are copied, not computed again. The
+        store's files are checked against their recorded hashes first."""
+        m, calibration = store.manifest, self.plan.record["calibration"]
+        if not (m.clip_search == self.opts.clip_search and m.runtime_dtype == self.plan.runtime
+                and ("awq" in m.extra) == bool(self.opts.awq) and ("gptq" in m.extra) == bool(self.opts.gptq)
+                and {k: m.extra.get("calibration", {}).get(k) for k in calibration} == calibration):
+            return {}
+        found = {name: m.tensors[name] for name, scheme in self.plan.promote.items()
+                 if name in m.tensors and m.tensors[name].scheme == scheme and SCHEMES[scheme].grouped
+                 and (m.tensors[name].group_size, m.tensors[name].scale_dtype)
+                 == (self.plan.group_size(name, self.opts.groups), self.plan.runtime)}
+        if found:
+            check_files(store.path, {rel: record.to_json() for rel, record in m.part_files().items()})
+        return found
 
     def _kept_quantizer(self, scheme: str, group_size: int, cols: int) -> Quantizer:
         """The quantizer of a kept sensitivity record's choice (for a tensor of `cols` columns); TypeError when

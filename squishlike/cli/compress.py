@@ -41,13 +41,14 @@ def tier_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..compress_options import ALL_TIERS, FORMATS
+    from ..compress_options import ALL_TIERS, SCHEMES_OFFERED
 
     parser.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
     parser.add_argument("-o", "--output", required=True, type=Path,
                         help="output npy-dir (must not exist or be empty)")
-    parser.add_argument("--format", choices=FORMATS, default=None,
-                        help="scheme for linear weights (default: int8; with --bpw each tensor's is chosen)")
+    parser.add_argument("--scheme", "--format", dest="scheme", choices=SCHEMES_OFFERED, default=None,
+                        help="quantization scheme for linear weights (default: int8; with --bpw each tensor's is "
+                        "chosen); --format is its earlier name")
     parser.add_argument("--group-size", type=_group_size, default=64,
                         help="elements per scale along the input axis: 32, 64 (default) or 128 (int8, int4); "
                         "int8 also takes 'row', the per-row symmetric form")
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compressor import compress_with_report
 
     opts = _options(args)
-    opts.check_tiers_fit_format()
+    opts.check_tiers_fit_scheme()
     report = compress_with_report(args.src, args.output, opts)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0

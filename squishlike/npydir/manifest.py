@@ -282,7 +282,7 @@ NAMINGS = ("canonical", "mlx")
 class Manifest:
     model_type: str
     runtime_dtype: str
-    scheme: str  # the --format the store was made with
+    scheme: str  # the stored scheme of its linears (compress --scheme, with --group-size)
     group_size: int
     clip_search: bool
     source: Source

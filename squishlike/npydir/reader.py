@@ -102,6 +102,7 @@ class NpyDir:
         self.manifest = Manifest.from_json(parsed, manifest_path)
         self._pack_parts = self.manifest.pack_parts() if self.version >= 2 else {}
         self._checked_packs: dict[str, Path] = {}  # format 2: the packs whose header was checked, by name
+        self._side_files_checked: bool | None = None  # check_side_files done: with `every` (True) or fast (False)
         self._validate_side_files(manifest_path)
         self._validate_architecture(manifest_path)
         self._validate_dimensions(manifest_path)
@@ -118,10 +119,14 @@ class NpyDir:
         """IntegrityError naming the first side file (config, generation config, tokenizer files and facts, chat
         template) that is not what the manifest records (its fast hash; with `every`, each hash recorded), or that
         a load would read though the manifest records no such file. Every load runs it, warm or cold: a cache tier
-        records nothing of them, and they are small."""
+        records nothing of them, and they are small. Done once per opened store (`load` checks them before it
+        builds the tokenizer, and the weights' load asks again)."""
+        if self._side_files_checked is not None and self._side_files_checked >= every:
+            return
         for path in self.unrecorded_side_files():
             raise IntegrityError(path, UNRECORDED)
         check_files(self.path, {rel: r.to_json() for rel, r in self.manifest.side_files.items()}, every)
+        self._side_files_checked = every
 
     def unrecorded_side_files(self) -> list[Path]:
         """The files a load would read as side files (mlx_lm's and transformers' names, the tokenizer facts) that

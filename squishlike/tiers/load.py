@@ -39,7 +39,8 @@ def load_weights(store: NpyDir, tier: str | None = None, lazy: bool = False, ver
     computes them. The cold path always checks the store's files against the manifest's fast hash; `verify`
     (see verify_wanted) makes it check every recorded hash, SHA-256 too, and also checks a cache tier's files
     against every hash its sentinel records before they are loaded (a damaged tier is then rebuilt). The side
-    files (config, tokenizer, chat template) are checked on every load, warm or cold."""
+    files (config, tokenizer, chat template) are checked on every load, warm or cold (once per opened store:
+    `load` checks them before it builds the tokenizer)."""
     verify = verify_wanted(verify)
     try:
         store.check_side_files(verify)  # the tiers record the weights only: what else a load reads, checked here

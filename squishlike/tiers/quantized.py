@@ -73,11 +73,11 @@ class QuantizedTier(Tier):
         cls.sentinel = f".{cls.directory}_ready"
 
     def unavailable(self, store: NpyDir) -> str | None:
-        """A store of the tier's format (its scheme that of the store's linears), or one holding tensors of the
+        """A store of the tier's scheme (its scheme that of the store's linears), or one holding tensors of the
         tier's scheme, has one, holding all its group-wise tensors (at least one) at their widths."""
         schemes = store.manifest.schemes
         if self.scheme not in {*schemes, store.manifest.scheme} or not any(SCHEMES[s].grouped for s in schemes):
-            return f"only an {self.scheme} store has one: compress with format={self.scheme}"
+            return f"only an {self.scheme} store has one: compress with scheme={self.scheme}"
         return None
 
     def needs_dense(self, store: NpyDir) -> set[str]:

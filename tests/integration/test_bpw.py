@@ -1,7 +1,9 @@
 """A size target (issue 33): `compress(bpw=X)` gives every quantizable tensor the width among 2-8 bits (or exact)
 that changes its block's output least, measured in the block-by-block pass, within X bits per weight as mlx_lm
 counts them; the sensitivities are kept in the manifest and plan another size (`sensitivity_from`) without
-measuring again. Real SmolLM2 for the 1 % and the retarget; a tiny llama for the errors and the measure's plumbing."""
+measuring again, copying the tensors whose width stays from the store they came from. Real SmolLM2 for the 1 % and
+the retarget; a tiny llama (AWQ and GPTQ on) for a second size against a measuring compress, the errors and the
+measure's plumbing."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from mlx.utils import tree_flatten
 
 import squishlike
 from squishlike.calibration.stats import ScaleGroup, record
-from squishlike.errors import BudgetError, FormatError
+from squishlike.compressor import GPTQ_REASON
+from squishlike.errors import BudgetError, FormatError, IntegrityError
 from squishlike.npydir import NpyDir
+from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
 
 FAST = {"gptq": False, "calibration_max_tokens": 256}  # the measure and the plan, without GPTQ's time
 
@@ -120,6 +124,68 @@ def test_a_record_with_bad_group_sizes_is_refused_and_nothing_is_written(smollm_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def llama_at_4_5(tmp_path_factory):
+    """A tiny llama and its measuring compress at 4.5 bits a weight, AWQ, GPTQ and clip search on (bpw's
+    defaults): (source, store)."""
+    where = tmp_path_factory.mktemp("retarget")
+    src = make_hf_model(where / "llama", TINY_CONFIGS["llama"], make_tokenizer(where / "tokenizer"))
+    return src, squishlike.compress(src, where / "at4.5", bpw=4.5)
+
+
+def _copied(stderr: str) -> int:
+    """How many tensors a second size copied, as its log says."""
+    return int(next(line for line in stderr.splitlines() if "tensors keep the width" in line).split()[1])
+
+
+def test_a_second_size_is_what_a_measuring_compress_writes_its_unchanged_tensors_copied(llama_at_4_5, tmp_path,
+                                                                                        capfd):
+    src, first = llama_at_4_5
+    capfd.readouterr()
+    second = NpyDir(squishlike.compress(src, tmp_path / "second", bpw=5.5, sensitivity_from=first))
+    copied = _copied(capfd.readouterr().err)
+    measured = NpyDir(squishlike.compress(src, tmp_path / "measured", bpw=5.5))
+    earlier = NpyDir(first).manifest.tensors
+    kept = [n for n, e in measured.manifest.tensors.items() if e.kind.quantized and earlier[n].scheme == e.scheme]
+    assert copied == len(kept) > 0  # copied: every tensor whose width stays, GPTQ'd ones among them
+    assert any(measured.manifest.tensors[n].reason.endswith(GPTQ_REASON) for n in kept)
+    assert len(kept) < sum(e.kind.quantized for e in measured.manifest.tensors.values())  # and some rounded anew
+    for name, entry in measured.manifest.tensors.items():  # bit for bit, with the same entries
+        assert second.manifest.tensors[name].to_json() == entry.to_json(), name
+        for suffix in entry.kind.suffixes:
+            assert np.array_equal(second.load_part(name, suffix), measured.load_part(name, suffix)), (name, suffix)
+    records = dict(second.manifest.extra, bpw={k: v for k, v in second.manifest.extra["bpw"].items()
+                                               if k != "measured_in"})
+    assert records == measured.manifest.extra
+
+
+def test_a_second_size_with_other_rounding_options_copies_nothing(llama_at_4_5, tmp_path, capfd):
+    src, first = llama_at_4_5
+    capfd.readouterr()
+    second = NpyDir(squishlike.compress(src, tmp_path / "second", bpw=5.5, sensitivity_from=first,
+                                        clip_search=False))
+    assert _copied(capfd.readouterr().err) == 0
+    earlier = NpyDir(first)
+    same_width = [n for n, e in second.manifest.tensors.items()
+                  if e.kind.quantized and earlier.manifest.tensors[n].scheme == e.scheme]
+    assert same_width and all(not np.array_equal(second.load_part(n, "q4"), earlier.load_part(n, "q4"))
+                              for n in same_width if second.manifest.tensors[n].scheme == "int4")
+
+
+def test_a_damaged_store_to_copy_from_is_refused_and_nothing_is_written(llama_at_4_5, tmp_path):
+    src, first = llama_at_4_5
+    damaged = tmp_path / "damaged"
+    shutil.copytree(first, damaged)
+    pack = sorted((damaged / "tensors").glob("pack-*.safetensors"))[-1]
+    data = bytearray(pack.read_bytes())
+    data[-1] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=pack.name):
+        squishlike.compress(src, tmp_path / "again", bpw=5.5, sensitivity_from=damaged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"]
+    assert NpyDir(first).manifest.tensors  # the store it came from is untouched
+
+
 def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path):
     smallest = r"bpw=2.0 is below the smallest store of this model, 2\.4\d\d bits per weight"
     with pytest.raises(BudgetError, match=smallest):
@@ -129,7 +195,7 @@ def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smo
 
 @pytest.mark.parametrize("options, message", [
     ({"bpw": 1.5}, "bpw=1.5 is out of range"),
-    ({"bpw": 4.0, "scheme": "int8"}, "leave format='int8'"),
+    ({"bpw": 4.0, "scheme": "int8"}, "leave scheme='int8'"),
     ({"bpw": 4.0, "mixed_precision": 0.1}, "both choose widths"),
     ({"sensitivity_from": "elsewhere"}, "give bpw= too"),
 ])
@@ -151,10 +217,12 @@ def test_sensitivities_of_another_source_or_none_are_refused(tiny_llama, smollm_
 def test_cli_bpw_reports_the_store(tiny_llama, tmp_path):
     out = tmp_path / "cli"
     run = subprocess.run([sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o", str(out),
-                          "--bpw", "6", "--no-gptq", "--json"], capture_output=True, text=True, timeout=600)
+                          "--bpw", "6", "--no-gptq", "--tiers", "mlx,int8", "--json"],  # a plan may give 8 bits
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["tensors"] == len(NpyDir(out).manifest.tensors)
     assert NpyDir(out).manifest.extra["bpw"]["target_bpw"] == 6.0
+    assert NpyDir(out).manifest.policy.tiers == ("mlx", "int8")
     refused = subprocess.run([sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o",
                               str(tmp_path / "x"), "--sensitivity-from", str(out)], capture_output=True, text=True)
     assert refused.returncode == 2 and "give --bpw too" in refused.stderr

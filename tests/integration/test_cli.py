@@ -112,17 +112,17 @@ def test_output_exists_and_force(tiny_llama, tmp_path):
     assert (out / "precious.txt").read_text() == "keep me"
 
     store = tmp_path / "store"
-    cli("compress", tiny_llama, "-o", store, "--format", "int4")
-    done = cli("compress", tiny_llama, "-o", store, "--format", "int8", check_rc=2)
+    cli("compress", tiny_llama, "-o", store, "--scheme", "int4")
+    done = cli("compress", tiny_llama, "-o", store, "--scheme", "int8", check_rc=2)
     assert "exists and holds an npy-dir; pass --force to replace it" in done.stderr
-    cli("compress", tiny_llama, "-o", store, "--format", "int8", "--force")
+    cli("compress", tiny_llama, "-o", store, "--scheme", "int8", "--force")
     assert NpyDir(store).manifest.scheme == "int8g"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 48), ("int3", 128), ("int8", 7), ("int4", "row"), ("int8", "rows")])
 def test_bad_group_size(tiny_llama, tmp_path, fmt, group):
-    done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--format", fmt, "--group-size", group, check_rc=2)
+    done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--scheme", fmt, "--group-size", group, check_rc=2)
     error = done.stderr.splitlines()[-1]  # "rows" is refused by the flag's own parser, the rest by compress
     assert error.startswith("squishlike compress: error: ") and f"group-size{':' if group == 'rows' else ''} " in error
     if group != "rows":
@@ -142,7 +142,7 @@ def test_forced_tier_not_ready(tiny_llama, tmp_path):
     with pytest.raises(TierNotReadyError) as missing:
         squishlike.load(out, tier="int3")
     assert str(missing.value) == (f"{out}: tier 'int3' is not ready (.squish_3bit_ready: absent); ready: mlx, "
-                                  "cold; only an int3 store has one: compress with format=int3")
+                                  "cold; only an int3 store has one: compress with scheme=int3")
 
 
 def test_inspect_and_verify(tiny_llama, tmp_path):
@@ -211,7 +211,7 @@ def test_prune_removes_caches_under_the_lock_and_keeps_the_store(tiny_llama, tmp
 
 
 def test_compress_says_what_it_did_on_stdout_and_json(tiny_llama, tmp_path):
-    done = cli("compress", tiny_llama, "-o", tmp_path / "int4", "--format", "int4")
+    done = cli("compress", tiny_llama, "-o", tmp_path / "int4", "--format", "int4")  # --scheme's earlier name
     store_bytes = sum(r.size for r in NpyDir(tmp_path / "int4").part_files().values())
     assert done.stdout.startswith(f"{tmp_path / 'int4'}: the INT4 store is ")
     assert "x smaller than the float32 source" in done.stdout and done.stdout.count("\n") == 1
@@ -223,7 +223,7 @@ def test_compress_says_what_it_did_on_stdout_and_json(tiny_llama, tmp_path):
     report = json.loads(done.stdout)
     assert report["store_bytes"] == sum(r.size for r in NpyDir(tmp_path / "int8").part_files().values())
     assert report["store_bytes"] > report["source_bytes"] and report["path"] == str(tmp_path / "int8")
-    assert report["format"] == "int8" and report["tiers"][0] == "mlx" and report["tensors"] > report["quantized"] > 0
+    assert report["scheme"] == "int8" and report["tiers"][0] == "mlx" and report["tensors"] > report["quantized"] > 0
     ratio = report["store_bytes"] / report["source_bytes"]
     assert store_bytes > 0
     done = cli("compress", tmp_path / "mlx4", "-o", tmp_path / "int8", "--force")
@@ -231,13 +231,15 @@ def test_compress_says_what_it_did_on_stdout_and_json(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("fmt,tiers,problem", [
-    ("int4", "int3", "tier int3 is built only from an int3 store and this one is --format int4"),
-    ("int8", "mlx,int4", "tier int4 is built only from an int4 store and this one is --format int8"),
+    ("int4", "int3", "tier int3 is built only from a store holding int3 tensors and this one is --scheme int4 with "
+                     "no --bits rule of that width; leave int3 out of --tiers, compress with --scheme int3, or give a "
+                     "--bits rule of its width"),
+    ("int8", "mlx,int4", "tier int4 is built only from a store holding int4 tensors and this one is --scheme int8"),
     ("int8", "", "argument --tiers: names no tier"),
     ("int8", "mlx,fast", "--tiers names unknown tier(s) fast"),
 ])
 def test_impossible_tiers_are_refused(tiny_llama, tmp_path, fmt, tiers, problem):
-    done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--format", fmt, "--tiers", tiers, check_rc=2)
+    done = cli("compress", tiny_llama, "-o", tmp_path / "out", "--scheme", fmt, "--tiers", tiers, check_rc=2)
     assert done.stderr.splitlines()[-1].startswith("squishlike compress: error: ") and problem in done.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
@@ -369,12 +371,12 @@ def test_export_dtype(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("flags,restarts", [
-    (["--format", "int4"], True),  # calibrated by default
-    (["--format", "int4", "--no-awq", "--no-gptq"], False),  # every calibration switched off
-    (["--format", "int4", "--no-awq", "--no-gptq", "--mixed-precision", "0.1"], True),
-    (["--format", "int8"], False),
-    (["--format", "int8", "--awq"], True),
-    (["--format", "int3"], True),  # the accuracy gate runs the model
+    (["--scheme", "int4"], True),  # calibrated by default
+    (["--scheme", "int4", "--no-awq", "--no-gptq"], False),  # every calibration switched off
+    (["--scheme", "int4", "--no-awq", "--no-gptq", "--mixed-precision", "0.1"], True),
+    (["--scheme", "int8"], False),
+    (["--scheme", "int8", "--awq"], True),
+    (["--scheme", "int3"], True),  # the accuracy gate runs the model
 ])
 def test_compress_restarts_with_openblas_only_when_it_runs_the_model(flags, restarts):
     from squishlike.cli import build_parser

@@ -190,7 +190,7 @@ def test_progress_on_a_terminal_and_nothing_on_a_pipe(tiny_llama, tmp_path):  # 
     assert rc == 0 and re.search(r"compress: +100%\|", shown), shown
     rc, shown = on_a_terminal("eval", tmp_path / "int8", "--max-tokens", "64")
     assert rc == 0 and re.search(r"teacher-forced: +100%\|", shown), shown
-    piped = cli("compress", tiny_llama, "-o", tmp_path / "int4", "--format", "int4")
+    piped = cli("compress", tiny_llama, "-o", tmp_path / "int4", "--scheme", "int4")
     assert piped.returncode == 0 and "%|" not in piped.stderr and "\r" not in piped.stderr
     piped = cli("eval", tmp_path / "int4", "--max-tokens", "64")
     assert "%|" not in piped.stderr and "\r" not in piped.stderr

@@ -59,7 +59,7 @@ def test_each_tensor_records_its_group_size(grouped):
 
 
 def test_a_rule_whose_groups_do_not_split_the_rows_keeps_the_tensor_exact():
-    opts = CompressOptions(format="int4", bits=(("*", 3, 128),))
+    opts = CompressOptions(scheme="int4", bits=(("*", 3, 128),))
     assert choose_scheme("layers.0.ffn.up.weight", (64, 256), opts, "linear")[0] == "int3"
     assert choose_scheme("layers.0.ffn.up.weight", (64, 576), opts, "linear") == (
         "passthrough", "576 columns do not split into groups of 128")
@@ -142,12 +142,12 @@ def test_cli_takes_a_group_size_in_a_rule(tiny_llama, tmp_path):
         return done
 
     out = tmp_path / "out"
-    cli("compress", tiny_llama, "-o", out, "--format", "int4", "--bits", "*.ffn.down.*=3/128", "--no-awq",
+    cli("compress", tiny_llama, "-o", out, "--scheme", "int4", "--bits", "*.ffn.down.*=3/128", "--no-awq",
         "--no-gptq")
     downs = {(e.scheme, e.group_size) for name, e in NpyDir(out).entries.items() if ".ffn.down." in name}
     assert downs == {("int3", 128)}
     for bad, problem in (("*=3/128/2", "'*=3/128/2' is not PATTERN=BITS or PATTERN=BITS/GROUP_SIZE"),
                          ("*=3/96", "--bits *=3/96: group size 96 is not one of 32, 64, 128")):
-        done = cli("compress", tiny_llama, "-o", tmp_path / "bad", "--format", "int4", "--bits", bad, rc=2)
+        done = cli("compress", tiny_llama, "-o", tmp_path / "bad", "--scheme", "int4", "--bits", bad, rc=2)
         assert problem in done.stderr.splitlines()[-1]
         assert not (tmp_path / "bad").exists()

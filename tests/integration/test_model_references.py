@@ -124,7 +124,7 @@ def test_a_repo_id_not_in_the_cache_is_downloaded_as_mlx_lm_downloads_it(fake_hu
         assert f"GET /test-org/tiny/resolve/{commit}/{name}" in fake_hub.requests
     assert not any("README.md" in request for request in fake_hub.requests)
 
-    from_hub(fake_hub, cache, "-c", "import sys, squishlike; squishlike.compress(*sys.argv[1:], format='int4')",
+    from_hub(fake_hub, cache, "-c", "import sys, squishlike; squishlike.compress(*sys.argv[1:], scheme='int4')",
              "test-org/tiny", tmp_path / "int4")
     assert NpyDir(tmp_path / "int4").manifest.source.path == str(snapshot)
 

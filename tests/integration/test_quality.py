@@ -225,7 +225,7 @@ def test_int3_gate_fails_with_a_tight_bound(tiny_llama, tmp_path):
     measured = NpyDir(_int3(tiny_llama, tmp_path / "first", 1.0)).manifest.int3_gate["increase"]
     with pytest.raises(AccuracyGateError, match="fails its accuracy gate") as failed:
         _int3(tiny_llama, tmp_path / "tight", measured - 0.005)
-    assert "over the bound" in str(failed.value) and "format=int4" in str(failed.value)
+    assert "over the bound" in str(failed.value) and "scheme=int4" in str(failed.value)
     assert not (tmp_path / "tight").exists() and not list(tmp_path.glob(".tight*"))
     assert NpyDir(_int3(tiny_llama, tmp_path / "just", measured + 0.005)).manifest.int3_gate["passed"] is True
 
@@ -247,14 +247,14 @@ def test_cli_int3_gate_failure_exits_1_and_names_the_options(tiny_llama, tmp_pat
     out = tmp_path / "cli3"
     bound = f"{measured - 0.005:.6f}"
     done = subprocess.run(
-        [sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o", str(out), "--format", "int3",
+        [sys.executable, "-m", "squishlike", "compress", str(tiny_llama), "-o", str(out), "--scheme", "int3",
          "--group-size", "32", "--awq", "--int3-max-ppl-increase", bound, "--calibration-tokens", str(CALIB_TOKENS)],
         capture_output=True, text=True,
     )
     assert done.returncode == 1, done.stderr
     error = done.stderr.splitlines()[-1]
     assert error.startswith(f"squishlike compress: error: {out}: not written: the INT3 store fails its accuracy gate")
-    for option in ("--format int4", "--mixed-precision 0.1", f"--int3-max-ppl-increase {float(bound)}"):
+    for option in ("--scheme int4", "--mixed-precision 0.1", f"--int3-max-ppl-increase {float(bound)}"):
         assert option in error, error
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["first", "llama"]
 

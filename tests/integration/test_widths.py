@@ -58,7 +58,7 @@ def test_rules_choose_each_tensors_width(mixed):
 
 
 def test_first_match_wins_and_the_models_8_bits_stay():
-    opts = CompressOptions(format="int4", bits=(("layers.0.*", 2), ("*", 6)))
+    opts = CompressOptions(scheme="int4", bits=(("layers.0.*", 2), ("*", 6)))
     assert choose_scheme("layers.0.ffn.up.weight", (64, 128), opts, "linear")[0] == "int2"
     assert choose_scheme("layers.1.ffn.up.weight", (64, 128), opts, "linear")[0] == "int6"
     assert choose_scheme("layers.0.mlp.gate.weight", (8, 128), opts, "int8")[0] == "int8"  # a router
@@ -84,14 +84,22 @@ def test_cli_takes_rules_and_inspect_shows_the_widths(tiny_llama, tmp_path):
         return done
 
     out = tmp_path / "out"
-    cli("compress", tiny_llama, "-o", out, "--format", "int4", "--bits", "*.ffn.down.*=6", "--bits", "*=3",
+    cli("compress", tiny_llama, "-o", out, "--scheme", "int4", "--bits", "*.ffn.down.*=6", "--bits", "*=3",
         "--no-awq", "--no-gptq")
     store = NpyDir(out)
     assert {e.scheme for e in store.entries.values()} == {"int6", "int3", "passthrough"}
     summary = cli("inspect", out).stdout
     assert f"21 tensors (5 passthrough, 2 int6, 14 int3), {store.manifest.bits_per_weight():.3f} bits per weight" in summary
+    # A tier of a width that only a rule gives is the user's to ask for: the int8 tier holds the store's
+    # group-wise tensors (8-bit down projections, 4-bit the rest) natively.
+    out8 = tmp_path / "out8"
+    cli("compress", tiny_llama, "-o", out8, "--scheme", "int4", "--bits", "*.ffn.down.*=8", "--tiers", "mlx,int8",
+        "--no-awq", "--no-gptq")
+    assert NpyDir(out8).manifest.policy.tiers == ("mlx", "int8")
+    squishlike.load(out8, tier="int8")
+    assert (out8 / ".squish_8bit_ready").exists()
     for bad, problem in (("*=7", "--bits *=7 is not a width"), ("down=six", "argument --bits: 'down=six' is not")):
-        done = cli("compress", tiny_llama, "-o", tmp_path / "bad", "--format", "int4", "--bits", bad, rc=2)
+        done = cli("compress", tiny_llama, "-o", tmp_path / "bad", "--scheme", "int4", "--bits", bad, rc=2)
         assert problem in done.stderr.splitlines()[-1]
 
 

@@ -130,7 +130,7 @@ def test_second_compress_while_first_runs_is_told_so(lab, tmp_path):
     first = {"op": "compress", "src": str(lab.src), "out": str(out), "opts": lab.opts, "start_at": start,
              "env": {"SQUISHLIKE_FAULT_AT": "mkdtemp:out", "SQUISHLIKE_FAULT_ACTION": "pause:1.5"},
              "result": str(tmp_path / "a.json")}
-    second = {"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--format", "int4"],
+    second = {"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--scheme", "int4"],
               "start_at": start + 0.5, "result": str(tmp_path / "b.json")}
     third = {"op": "compress", "src": str(lab.src), "out": str(out), "opts": lab.opts, "start_at": start + 0.6,
              "result": str(tmp_path / "c.json")}

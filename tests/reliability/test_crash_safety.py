@@ -44,7 +44,7 @@ BOUNDARY_KINDS = {"lock", "mkdtemp", "write", "before-rename", "renamed", "befor
 lab = lab_fixture()
 
 # The CLI's flags for the lab's store layout (support.crash_harness.COMPRESS_OPTS), and no restart with OpenBLAS
-# (which `--format int4` asks for), so that the child itself reports.
+# (which `--scheme int4` asks for), so that the child itself reports.
 CLI_LAYOUT = ["--no-quantize-embeddings", "--no-awq", "--no-gptq", "--no-clip-search"]
 NO_RESTART = {"SQUISHLIKE_OPENBLAS": "0"}
 
@@ -192,7 +192,7 @@ def test_an_interrupted_writer_aborts_although_the_interrupt_left_its_lock_held(
 
 def test_ctrl_c_in_the_cli_exits_130_and_says_so(lab, tmp_path):
     out = tmp_path / "out"
-    r = lab.server.run({"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--format", "int4", *CLI_LAYOUT],
+    r = lab.server.run({"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--scheme", "int4", *CLI_LAYOUT],
                         "env": {"SQUISHLIKE_FAULT_AT": "renamed:manifest.json", "SQUISHLIKE_FAULT_ACTION": "sigint",
                                 **NO_RESTART},
                         "result": str(tmp_path / "r.json")})
@@ -218,7 +218,7 @@ def test_disk_full_while_compressing(lab, tmp_path):
     assert not out.exists() and not any(".tmp-" in p.name for p in tmp_path.iterdir())
     assert tree_digest(lab.src) == lab.src_digest
 
-    r = lab.server.run({"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--format", "int4", *CLI_LAYOUT],
+    r = lab.server.run({"op": "cli", "argv": ["compress", str(lab.src), "-o", str(out), "--scheme", "int4", *CLI_LAYOUT],
                         "rlimit_fsize": 40_000, "env": NO_RESTART, "result": str(tmp_path / "cli.json")})
     result = json.loads((tmp_path / "cli.json").read_text())
     assert r["code"] == 1 and "[Errno" in result["stderr"] and str(tmp_path) in result["stderr"], result

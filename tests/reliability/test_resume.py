@@ -13,7 +13,7 @@ import pytest
 
 import squishlike
 
-OPTIONS = ["--format", "int4", "--calibration-tokens", "128"]  # calibrated: AWQ, GPTQ, clip search
+OPTIONS = ["--scheme", "int4", "--calibration-tokens", "128"]  # calibrated: AWQ, GPTQ, clip search
 
 
 def cli_compress(src, out, *, fault: str | None = None, action: str = "kill", extra=()):
