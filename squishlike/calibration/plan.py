@@ -459,9 +459,9 @@ class Calibrator:
         follows from the source (the same: its fingerprint was checked), its width, the options that round it, and
         its calibration inputs, which are the float source model's (each block runs on the float outputs of the
         one before, never on rounded ones) scaled by AWQ's alphas (taken from `store`). So where `store` was made
-        with the same rounding and calibration options and holds a tensor at the width and group size planned here, its parts
-        are the ones this compress would compute, GPTQ's included: they are copied, not computed again. The
-        store's files are checked against their recorded hashes first."""
+        with the same rounding and calibration options and holds a tensor at the width and group size planned here,
+        its parts are the ones this compress would compute, GPTQ's included: they are copied, not computed again.
+        The store's files are checked against their recorded hashes first."""
         m, calibration = store.manifest, self.plan.record["calibration"]
         if not (m.clip_search == self.opts.clip_search and m.runtime_dtype == self.plan.runtime
                 and ("awq" in m.extra) == bool(self.opts.awq) and ("gptq" in m.extra) == bool(self.opts.gptq)
