@@ -196,7 +196,7 @@ def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None, d
     weights = {name: read_as(provider, "mlx", canonical, dtype) for name, canonical in names.items()}
     model = build_model(config, weights, lazy=True)
     if params is not None:
-        predicate = stored_widths(provider, model) if own_widths and params.mode == "affine" else None
+        predicate = stored_widths(provider, model, params) if own_widths and params.mode == "affine" else None
         model, config = quantize_model(model, config, params.group_size, params.bits, mode=params.mode,
                                        quant_predicate=predicate)
         model.load_weights(list(own_quantized(provider, model).items()), strict=False)
@@ -207,17 +207,19 @@ def write_mlx(provider: WeightProvider, out: Path, params: QuantParams | None, d
         save_config(config, tmp)
 
 
-def stored_widths(provider: WeightProvider, model: nn.Module) -> Callable[[str, nn.Module], bool | dict]:
+def stored_widths(provider: WeightProvider, model: nn.Module,
+                  params: QuantParams) -> Callable[[str, nn.Module], bool | dict]:
     """A quant_predicate for mlx_lm's quantize_model: the model's own (its routers' 8 bits, ...), except that a layer
-    the source stores as an affine triple is quantized at that triple's group size and bits, which quantize_model
-    then records as the layer's own "quantization" entry."""
+    the source stores as an affine triple of another group size or bits than `params` is quantized as that triple,
+    which quantize_model then records as the layer's own "quantization" entry."""
     canonical = names_as(provider, "mlx")
     model_predicate = getattr(model, "quant_predicate", None)
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
         name = canonical.get(f"{path}.weight")
         triple = provider.get_quantized(name) if name is not None else None
-        if triple is not None and triple.mode == "affine":
+        if triple is not None and triple.mode == "affine" and (triple.group_size, triple.bits) != (
+                params.group_size, params.bits):
             return {"group_size": triple.group_size, "bits": triple.bits, "mode": "affine"}
         return model_predicate(path, module) if model_predicate is not None else True
 

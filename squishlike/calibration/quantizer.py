@@ -15,8 +15,8 @@ from ..quant.reference import from_float32, to_float32
 from ..quant.schemes import SCHEMES
 
 
-MIN_MAX_SCHEMES = ("int2", "int3", "int4", "int5", "int6")  # grids the Rust kernel builds from a group's [min, max]
-# (format.md §4.2-4.3)
+# The grids the Rust kernel builds from a group's [min, max] (format.md §4.2-4.3): every width but 8 bits
+MIN_MAX_SCHEMES = ("int2", "int3", "int4", "int5", "int6")
 CLIP_SHRINKS = tuple(k / 100 for k in range(11))  # the clip search's narrowing of each end, as the kernel's
 
 
@@ -47,8 +47,8 @@ class Quantizer:
         return mx.array(self(np.array(w)))
 
     def fake(self, w: mx.array) -> mx.array:
-        """`__call__` in MLX, on the default device: float32 [r, c] -> the dequantized stored form, float32. INT2..
-        INT6 only, following the Rust kernel's grid step by step (min/max, or the clip search's narrowed ranges,
+        """`__call__` in MLX, on the default device: float32 [r, c] -> the dequantized stored form, float32. The
+        MIN_MAX_SCHEMES only, following the Rust kernel's grid step by step (min/max, or the clip search's ranges,
         the scale and bias rounded to the runtime dtype, codes picked with them, dequantized as the runtime
         does)."""
         dtype = MX_DTYPES[self.scale_dtype]

@@ -150,6 +150,7 @@ def test_export_keeps_each_width_for_mlx_lm(mixed, tmp_path):
     exported = export(mixed, "mlx", tmp_path / "mlx", quantize=True)
     config = json.loads((exported / "config.json").read_text())
     assert config["quantization"]["model.layers.1.self_attn.q_proj"] == {"group_size": 64, "bits": 2, "mode": "affine"}
+    assert "model.layers.1.self_attn.v_proj" not in config["quantization"]  # at -q's 4 bits
     model, _ = mlx_lm.load(str(exported))
     assert widths(model) == widths(store_model)
     assert_same_weights(store_model, model)
