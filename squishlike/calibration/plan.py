@@ -29,7 +29,8 @@ from .blocks import BlockRunner
 from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
-from .stats import Calibration, calibration_windows, log, record, record_output, sample_positions, thinned
+from .stats import (Calibration, calibration_windows, log, positions, record, record_output, sample_positions,
+                    thinned)
 
 
 PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
@@ -175,7 +176,7 @@ class Calibrator:
         # GPTQ's Hessians take every calibration position: from the AWQ search's evenly spaced rows (463 of
         # SmolLM2's 2,311 by default, fewer than a down projection's 1,536 columns) GPTQ fits the few rows and
         # loses more at 2 and 3 bits than it saves (docs/design.md §7.4)
-        self.every = sample_positions(self.windows, sum(len(w.tokens) - 1 for w in self.windows))
+        self.every = sample_positions(self.windows, positions(self.windows))
         self.source = _SourceWeights(provider, self.model, opts, self.plan.runtime)
         wanted = opts.awq or opts.gptq or opts.mixed_precision > 0
         self.groups, self.why_not = scale_groups(self.model, provider) if wanted else ([], None)
@@ -192,7 +193,7 @@ class Calibrator:
         self.runner: BlockRunner | None = None
         self.plan.record["calibration"] = {
             "text": "calibration",
-            "tokens": sum(len(w.tokens) - 1 for w in self.windows),
+            "tokens": positions(self.windows),
             "samples": opts.calibration_samples,
             "max_tokens": opts.calibration_max_tokens,
             "method": "block by block: each layer's inputs are the float32 outputs of the layer before",

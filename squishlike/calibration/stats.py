@@ -97,10 +97,20 @@ class Calibration:
     samples: dict[str, np.ndarray]  # group name -> [n, in] float32 input rows, evenly spaced over the text
 
 
+def positions(windows: Sequence[Window]) -> int:
+    """The input positions of the calibration text: each window's tokens but its last (whose next token is
+    unknown)."""
+    return sum(len(w.tokens) - 1 for w in windows)
+
+
+def _stride(windows: Sequence[Window], samples: int) -> int:
+    """The spacing of `samples` rows evenly spread over the whole text's positions."""
+    return max(1, math.ceil(positions(windows) / max(samples, 1)))
+
+
 def sample_positions(windows: Sequence[Window], samples: int) -> list[mx.array]:
     """Per window, the input positions whose rows are kept: `samples` rows evenly spaced over the whole text."""
-    total = sum(len(w.tokens) - 1 for w in windows)
-    stride = max(1, math.ceil(total / max(samples, 1)))
+    stride = _stride(windows, samples)
     picks, offset = [], 0
     for w in windows:
         n = len(w.tokens) - 1
@@ -112,7 +122,7 @@ def sample_positions(windows: Sequence[Window], samples: int) -> list[mx.array]:
 def thinned(calib: Calibration, windows: Sequence[Window], samples: int) -> Calibration:
     """`calib`, recorded at every position, with only the rows `sample_positions(windows, samples)` keeps: those
     are every stride-th position of the whole text, as the rows are."""
-    stride = max(1, math.ceil(sum(len(w.tokens) - 1 for w in windows) / max(samples, 1)))
+    stride = _stride(windows, samples)
     return Calibration(calib.abs_mean, {name: rows[::stride] for name, rows in calib.samples.items()})
 
 

@@ -9,12 +9,11 @@ import json
 import subprocess
 import sys
 
-import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
 from support.options import ROUND_TO_NEAREST
-from support.tiny_models import assert_same_weights, cosine, logits
+from support.tiny_models import assert_same_weights, assert_serves_as_store, cosine, logits, quantized_layouts
 
 import squishlike
 from squishlike.compress_options import CompressOptions, choose_scheme
@@ -33,13 +32,8 @@ RULES = (("*.ffn.down.*", 3, 128), ("*.attention.q.*", 4, 128), ("*.ffn.up.*", 2
 GROUP_OF = {"down_proj": (3, 128), "q_proj": (4, 128), "up_proj": (2, 32), "gate_proj": (8, 128), "k_proj": (4, 32)}
 
 
-def layouts(model: nn.Module) -> dict[str, tuple[int, int]]:
-    return {path: (module.bits, module.group_size) for path, module in model.named_modules()
-            if isinstance(module, nn.QuantizedLinear)}
-
-
 def expected(model: nn.Module) -> dict[str, tuple[int, int]]:
-    return {path: GROUP_OF.get(path.rsplit(".", 1)[-1], (4, 64)) for path in layouts(model)}
+    return {path: GROUP_OF.get(path.rsplit(".", 1)[-1], (4, 64)) for path in quantized_layouts(model)}
 
 
 @pytest.fixture
@@ -78,13 +72,13 @@ def test_rules_with_a_group_size_are_validated(tiny_llama, tmp_path, bits, messa
 def test_every_tier_and_the_cpu_layers_serve_each_group_size(grouped):
     cold, _ = squishlike.load(grouped, tier="cold")
     from_store, _ = squishlike.load(grouped)  # the int4 tier, read straight from the store
-    assert layouts(from_store) == expected(from_store)
+    assert quantized_layouts(from_store) == expected(from_store)
     assert_same_weights(cold, from_store)
     for tier in ("int4", "int8", "finalized", "mlx"):  # built: the quantized tiers' files and the dense tiers
         model, _ = squishlike.load(grouped, tier=tier)
         assert_same_weights(cold, model)
         if tier in ("int4", "int8"):
-            assert layouts(model) == expected(model)
+            assert quantized_layouts(model) == expected(model)
     if order.device_kind() == "cpu":  # squishlike's own layers at each group size
         assert {type(m) for _, m in from_store.named_modules() if isinstance(m, nn.QuantizedLinear)} == {
             CpuQuantizedLinear}
@@ -100,7 +94,7 @@ def test_the_built_tier_names_each_group_size_for_mlx_lm(grouped):
     assert "model.layers.0.self_attn.k_proj" not in quantization  # at the top level's width and group size
     tier, _ = squishlike.load(grouped, tier="int4")
     via_mlx_lm, _ = mlx_lm.load(str(grouped / "squish_4bit"))
-    assert layouts(via_mlx_lm) == layouts(tier)
+    assert quantized_layouts(via_mlx_lm) == quantized_layouts(tier)
     assert_same_weights(tier, via_mlx_lm)
 
 
@@ -113,14 +107,7 @@ def test_export_keeps_each_group_size_for_mlx_lm(grouped, tmp_path):
     exported = export(grouped, "mlx", tmp_path / "mlx", quantize=True)
     config = json.loads((exported / "config.json").read_text())
     assert config["quantization"]["model.layers.1.mlp.up_proj"] == {"group_size": 32, "bits": 2, "mode": "affine"}
-    model, _ = mlx_lm.load(str(exported))
-    assert layouts(model) == layouts(store_model)
-    assert_same_weights(store_model, model)
-    if order.device_kind() == "cpu":
-        from squishlike.cpu_layers import use_cpu_kernels
-
-        use_cpu_kernels(model)
-    assert mx.array_equal(logits(model, TOKENS), logits(store_model, TOKENS)).item()
+    assert_serves_as_store(mlx_lm.load(str(exported))[0], store_model, TOKENS)
 
 
 def test_inspect_shows_each_width_and_group_size(grouped):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from mlx_lm.utils import compute_bits_per_weight
 from support.options import ROUND_TO_NEAREST
-from support.tiny_models import assert_same_weights, cosine, dense_params, logits
+from support.tiny_models import assert_same_weights, assert_serves_as_store, cosine, dense_params, logits
 
 import squishlike
 from squishlike.compress_options import CompressOptions, choose_scheme
-from squishlike.cpu_layers import CpuQuantizedLinear, use_cpu_kernels
+from squishlike.cpu_layers import CpuQuantizedLinear
 from squishlike.exporter import export
 from squishlike.info import inspect_model
 from squishlike.npydir import NpyDir, bits_per_weight
@@ -132,9 +132,7 @@ def test_built_tier_is_an_mlx_lm_model_with_per_layer_widths(tiny_llama, tmp_pat
     assert widths(via_mlx_lm) == widths(tier) == {path: expected_width(path) for path in widths(tier)}
     for model in (tier, via_mlx_lm, squishlike.load(out, tier="finalized")[0]):
         assert_same_weights(cold, model)
-    if order.device_kind() == "cpu":
-        use_cpu_kernels(via_mlx_lm)
-    assert mx.array_equal(logits(via_mlx_lm, TOKENS), logits(tier, TOKENS)).item()
+    assert_serves_as_store(via_mlx_lm, tier, TOKENS)
 
 
 def test_sharded_load_reads_every_width(mixed):
@@ -152,11 +150,7 @@ def test_export_keeps_each_width_for_mlx_lm(mixed, tmp_path):
     assert config["quantization"]["model.layers.1.self_attn.q_proj"] == {"group_size": 64, "bits": 2, "mode": "affine"}
     assert "model.layers.1.self_attn.v_proj" not in config["quantization"]  # at -q's 4 bits
     model, _ = mlx_lm.load(str(exported))
-    assert widths(model) == widths(store_model)
-    assert_same_weights(store_model, model)
-    if order.device_kind() == "cpu":
-        use_cpu_kernels(model)
-    assert mx.array_equal(logits(model, TOKENS), logits(store_model, TOKENS)).item()
+    assert_serves_as_store(model, store_model, TOKENS)
     dense, _ = mlx_lm.load(str(export(mixed, "mlx", tmp_path / "dense")))
     for name, value in dense_params(store_model).items():
         assert mx.array_equal(dense_params(dense)[name], value).item(), name

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from squishlike.model import embedding_weights, new_model
@@ -161,6 +162,25 @@ def assert_same_weights(a, b) -> None:
     for k in pa:
         assert pa[k].dtype == pb[k].dtype, k
         assert mx.array_equal(pa[k], pb[k]).item(), f"{k} differs between tiers"
+
+
+def quantized_layouts(model) -> dict[str, tuple[int, int]]:
+    """(bits, group size) of each quantized linear, by module path."""
+    return {path: (module.bits, module.group_size) for path, module in model.named_modules()
+            if isinstance(module, nn.QuantizedLinear)}
+
+
+def assert_serves_as_store(model, store_model, tokens: list[int]) -> None:
+    """`model` (mlx_lm's load of a store's export) has the store model's quantized layouts and weights, and the same
+    logits, on a CPU through the store's CPU layers as the store model is."""
+    from squishlike.cpu_layers import use_cpu_kernels
+    from squishlike.tiers import order
+
+    assert quantized_layouts(model) == quantized_layouts(store_model)
+    assert_same_weights(store_model, model)
+    if order.device_kind() == "cpu":
+        use_cpu_kernels(model)
+    assert mx.array_equal(logits(model, tokens), logits(store_model, tokens)).item()
 
 
 QWEN2_CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
