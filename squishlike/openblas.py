@@ -3,7 +3,8 @@
 That wheel links a slow reference BLAS. Preloading Debian's OpenBLAS (`apt-get install libopenblas0-pthread`, then
 `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0`) makes float32 matmuls an order of
 magnitude faster (~5 -> ~80 tokens/s for a SmolLM2-135M forward pass). `find_openblas()` returns that path when
-it exists, and `reexec_with_openblas()` restarts the CLI with it preloaded (a library must be loaded at start).
+it exists, and `reexec_with_openblas()` restarts the CLI with it preloaded (a library must be loaded at start), its
+idle threads (and NumPy's OpenBLAS's) put to sleep at once instead of spinning (`THREAD_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
 )
+# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s at 2.5 GHz) after each call before they sleep. Two of them
+# run in a compress, the preloaded one (MLX's) and NumPy's own, beside the Rust kernels' threads: on two cores the
+# spinning threads of one took the cores the next call needed, and GPTQ's products and column loop ran 3-5x slower
+# (a second size's GPTQ of 100 tensors: 18.8 s, 3.5 s with 2^10). Both libraries read this variable at start.
+THREAD_TIMEOUT = "10"
 
 
 def find_openblas() -> str | None:
@@ -55,6 +61,7 @@ def reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
     if mx.default_device().type != mx.DeviceType.cpu:
         return
     env = dict(os.environ, LD_PRELOAD=":".join(p for p in (library, preload) if p), SQUISHLIKE_OPENBLAS="0")
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
     args = list(sys.argv[1:] if argv is None else argv)
     sys.stdout.flush()
     sys.stderr.flush()

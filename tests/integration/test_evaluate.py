@@ -312,12 +312,18 @@ def test_reexec_with_openblas(monkeypatch):
     monkeypatch.setattr(openblas.os, "execve", lambda *args: calls.append(args))
     monkeypatch.setattr(openblas, "find_openblas", lambda: "/lib/libopenblas.so.0")
     monkeypatch.delenv("SQUISHLIKE_OPENBLAS", raising=False)
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/lib/other.so")
     openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1
     exe, argv, env = calls[0]
     assert argv[1:] == ["-m", "squishlike", "eval", "m"]
     assert env["LD_PRELOAD"] == "/lib/libopenblas.so.0:/lib/other.so" and env["SQUISHLIKE_OPENBLAS"] == "0"
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == openblas.THREAD_TIMEOUT  # idle threads sleep instead of spinning
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "20")  # unless the user chose
+    openblas.reexec_with_openblas(["eval", "m"])
+    assert calls[1][2]["OPENBLAS_THREAD_TIMEOUT"] == "20"
+    calls.pop()
     monkeypatch.setenv("LD_PRELOAD", "/lib/libopenblas.so.0")  # already preloaded: nothing to do
     openblas.reexec_with_openblas(["eval", "m"])
     monkeypatch.setenv("LD_PRELOAD", "")
