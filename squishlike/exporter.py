@@ -35,6 +35,7 @@ from tqdm import tqdm
 from .config import CONFIG
 from .dtypes import MX_DTYPES
 from .errors import OutputExistsError, QuantizationError
+from .formats import EXPORT_TARGETS
 from .formats.mlx import MODE_DEFAULTS, QuantParams
 from .formats.ollama import (
     CONFIG_MEDIA_TYPE,
@@ -53,7 +54,6 @@ from .model import build_model, new_model, parameter_shapes
 from .provider import WeightProvider
 
 Target = Literal["hf", "mlx", "ollama"]
-TARGETS = ("hf", "mlx", "ollama")
 MAX_SHARD_BYTES = 5 << 30  # mlx_lm's and transformers' default shard size
 
 
@@ -78,8 +78,8 @@ def export(
     weights and the config's torch_dtype; None keeps the dtype the source's tensors read as (float32 for a
     dequantized GGUF).
     """
-    if to not in TARGETS:
-        raise ValueError(f"cannot export to {to!r}; choose one of {', '.join(TARGETS)}")
+    if to not in EXPORT_TARGETS:
+        raise ValueError(f"cannot export to {to!r}; choose one of {', '.join(EXPORT_TARGETS)}")
     if q_mode not in MODE_DEFAULTS:
         raise QuantizationError(f"unknown quantization mode {q_mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
     if quantize and to == "hf":

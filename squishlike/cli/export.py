@@ -11,11 +11,11 @@ HELP = "write a model as an HF, MLX or Ollama model"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..dtypes import MX_DTYPES
-    from ..exporter import TARGETS
+    from ..formats import EXPORT_TARGETS
     from ..formats.mlx import MODE_DEFAULTS
 
     parser.add_argument("src", help="model to export: a directory, a .gguf file, or an Ollama name:tag")
-    parser.add_argument("--to", required=True, choices=TARGETS, help="output format")
+    parser.add_argument("--to", required=True, choices=EXPORT_TARGETS, help="output format")
     parser.add_argument("-o", "--output", required=True, type=Path,
                         help="output directory (for --to ollama: the store root, e.g. ~/.ollama/models)")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights (mlx, ollama)")

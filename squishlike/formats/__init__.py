@@ -14,6 +14,10 @@ from ..errors import ModelNotFoundError, UnknownFormatError
 from ..npydir import MANIFEST, is_npydir
 from .base import FormatReader, QuantizedTensor, TensorInfo
 
+# What `squishlike export` writes (exporter.py): an HF safetensors directory, an MLX directory, an Ollama store. Here,
+# not in exporter.py, which imports mlx_lm and transformers (0.9 s), so that the CLI's parser can name them cheaply.
+EXPORT_TARGETS = ("hf", "mlx", "ollama")
+
 # (module, class) pairs, imported on first use so that `import squishlike` stays cheap.
 READERS: list[tuple[str, str]] = [
     ("npydir", "NpyDirReader"),

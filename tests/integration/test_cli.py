@@ -271,6 +271,15 @@ def test_help_shows_every_default():
     assert "(default: int8;" in text and "(default: 0.08)" in text
 
 
+def test_the_parser_does_not_import_mlx_lm():
+    """The CLI builds its parser before it re-executes itself with OpenBLAS (compress, eval): what that imports, the
+    command pays twice. mlx_lm and transformers are most of a second."""
+    code = ("import sys; from squishlike.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_errors_have_one_form(tiny_llama, tmp_path):
     for argv in (["compress", tiny_llama], ["compress", tmp_path / "nope", "-o", tmp_path / "out"],
                  ["inspect", tmp_path / "nope"], ["verify", tmp_path / "nope"]):
