@@ -46,7 +46,7 @@ def save(directory: Path, units_done: int, state: dict[str, Any], arrays: dict[s
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
     tmp.replace(npz)
-    write_json(directory / f"{PREFIX}{units_done}.json", state)
+    write_json(directory / f"{PREFIX}{units_done}.json", state, indent=None)
 
 
 def forget_before(directory: Path, units_done: int) -> None:

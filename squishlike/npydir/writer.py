@@ -121,7 +121,7 @@ class NpyDirWriter:
             "runtime_dtype": self.runtime_dtype,
             "packs": {rel: record.to_json() for rel, record in self.packs.items()},
             "tensors": {name: entry.to_json() for name, entry in self.tensors.items()},
-        })
+        }, indent=None)
 
     @classmethod
     def reopen(cls, path: str | Path, runtime_dtype: str) -> NpyDirWriter:
