@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..evaluation import DEFAULT_WINDOW, Window, load_text, token_windows
-from .blocks import BlockRunner
+from .blocks import BlockRunner, module_at
 
 CALIBRATION_TEXT = "calibration"
 CALIBRATION_WINDOW = DEFAULT_WINDOW  # the gate's windows: the whole calibration text, 1024 tokens at a time
@@ -60,7 +60,7 @@ class _Sink:
             self.rows.append(flat[self.pick])
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.abs_sum, *self.rows[-1:]) if a is not None]
+        return [a for a in (self.abs_sum, *self.rows) if a is not None]
 
 
 class _Recorder(nn.Module):
@@ -83,7 +83,7 @@ class _Recorder(nn.Module):
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     parent_path, _, attr = path.rpartition(".")
-    parent = dict(model.named_modules())[parent_path] if parent_path else model
+    parent = module_at(model, parent_path)
     old = parent[attr] if isinstance(parent, dict) and attr in parent else getattr(parent, attr)
     setattr(parent, attr, new)
     return old
@@ -129,20 +129,20 @@ def thinned(calib: Calibration, windows: Sequence[Window], samples: int) -> Cali
 def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks: Sequence[mx.array],
            hidden: Sequence[mx.array] | None = None) -> tuple[Calibration, list[mx.array]]:
     """Run block `block` (loaded) on the windows' hidden states, recording each group's input statistics: what
-    the groups measured, and the block's outputs."""
+    the groups measured, and the block's outputs. The windows run side by side (`BlockRunner.forward`)."""
     sinks = {g.name: _Sink() for g in groups}
     originals = []  # (path, what was there): groups may record one module (mixed precision's one-linear groups and
     # AWQ's q, k, v group read q's input), whose recorders then wrap each other and must come off in reverse
     try:
         for g in groups:
-            originals.append((g.module, _replace(runner.model, g.module, _Recorder(_module(runner.model, g.module),
-                                                                                   sinks[g.name], g.records_output))))
+            recorder = _Recorder(module_at(runner.model, g.module), sinks[g.name], g.records_output)
+            originals.append((g.module, _replace(runner.model, g.module, recorder)))
         outputs = []
         for w, (h, pick) in enumerate(zip(runner.hidden if hidden is None else hidden, picks)):
             for sink in sinks.values():
                 sink.pick = pick
-            outputs.append(runner.run_window(block, w, h))
-            mx.eval(*[a for s in sinks.values() for a in s.arrays()])
+            outputs.append(runner.forward(block, w, h))
+        runner.evaluate(block, [*outputs, *(a for s in sinks.values() for a in s.arrays())])
     finally:
         for path, original in reversed(originals):
             _replace(runner.model, path, original)
@@ -155,7 +155,7 @@ def record_output(x: Sequence[mx.array], group: ScaleGroup, picks: Sequence[mx.a
     for h, pick in zip(x, picks):
         sink.pick = pick
         sink.add(h)
-        mx.eval(*sink.arrays())
+    mx.eval(*sink.arrays())
     return _measured({group.name: sink})
 
 
@@ -164,6 +164,3 @@ def _measured(sinks: dict[str, _Sink]) -> Calibration:
     rows = {k: np.concatenate([np.array(r) for r in s.rows], axis=0) for k, s in sinks.items()}
     return Calibration(abs_mean, rows)
 
-
-def _module(model: nn.Module, path: str) -> nn.Module:
-    return dict(model.named_modules())[path]
