@@ -95,6 +95,24 @@ def test_blocks_one_at_a_time_give_the_whole_models_logits(tmp_path, tokenizer_d
             assert mx.abs(runner.logits(h, w) - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_windows_side_by_side_compute_what_one_window_at_a_time_does(tmp_path, tokenizer_dir, arch):
+    """A block's windows run on their own streams, evaluated together: bit for bit the outputs of one window after
+    another."""
+    src = make_hf_model(tmp_path / arch, TINY_CONFIGS[arch], tokenizer_dir)
+    with WeightProvider.open(src) as provider:
+        _, tokenizer = float_model(provider)
+        windows = calibrate.calibration_windows(tokenizer, max_tokens=200, window=64)
+        runner = calibrate.BlockRunner(new_model(provider.dense_config()), *source_weights(provider), windows)
+        assert len(windows) > 2
+        runner.load(0)
+        together = runner.run(0)
+        for w, h in enumerate(runner.hidden):
+            alone = runner.forward(0, w, h)
+            runner.evaluate(0, [alone])
+            assert mx.array_equal(alone, together[w]).item(), w
+
+
 def test_a_model_whose_layers_cannot_run_alone_is_compressed_uncalibrated(tmp_path, tokenizer_dir):
     """talkie's layers take the embeddings first and the hidden state second: no block can be run alone, so
     compress rounds to nearest and says why in the manifest."""
