@@ -19,6 +19,8 @@ import os
 import statistics
 from pathlib import Path
 
+from benchmarks.loadbench.run import SLACK
+from benchmarks.loadbench.stores import size, source_files
 from squishlike.loadtime import measure_load
 
 CONFIGS = (("arena", "squishlike", "1"), ("no arena", "squishlike", "0"), ("mlx_lm 4-bit", "mlx_lm", "1"))
@@ -29,11 +31,12 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True, help="a `squishlike bench --workdir` directory")
     parser.add_argument("--model", default="qwen1.5b", help="the bench's model name: smollm2 or qwen1.5b")
     parser.add_argument("--in-process", action="store_true", help="time the load after mlx_lm is imported and a "
-                        "model of the 4-bit conversion's size plus 30 %% was dropped, as the bench's in-process figure")
+                        "model of the 4-bit conversion's size and the bench's slack was dropped, as the bench's "
+                        "in-process figure drops each load's own")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     store, converted = args.workdir / f"{args.model}-int4-fresh", args.workdir / f"{args.model}-mlx_lm-4bit"
-    dropped = int(1.3 * sum(f.stat().st_size for f in converted.glob("*.safetensors"))) if args.in_process else 0
+    dropped = size(source_files(converted)) + SLACK if args.in_process else 0
     print(f"load average before: {os.getloadavg()}")
     seconds: dict[str, list[float]] = {name: [] for name, _, _ in CONFIGS}
     for _ in range(args.rounds):

@@ -57,6 +57,7 @@ WARM_KEYS = ("mlx_lm", "mlx_lm-4bit", "mlx_lm-8bit", "int4", "int8", "mlx", "fin
 QUICK_KEYS = ("mlx_lm", "mlx_lm-4bit", "mlx_lm-8bit", "int4", "int8", "mlx", "finalized", "cold-tier-int4")
 # mlx_lm's own conversions (`mlx_lm.convert -q`, group size 64): what an MLX user loads instead of bf16.
 CONVERSIONS = {"mlx_lm-4bit": 4, "mlx_lm-8bit": 8}
+SLACK = 256 << 20  # memory a run takes beyond its weights: what is primed, and dropped before an in-process load
 
 
 def _in_process(loader: str, path: Path, tier: str | None, dropped_bytes: int):
@@ -99,7 +100,6 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     converted = {key: build_mlx_lm_conversion(source, work / f"{name}-{key}", bits) for key, bits in CONVERSIONS.items()}
     src_files = source_files(source)
     src_bytes = size(src_files)
-    slack = 256 << 20
     configs: list[Config] = []
 
     def load(loader, path, tier=None):
@@ -128,16 +128,16 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
     in_memory.update({key: size(source_files(path)) for key, path in converted.items()})
     for key, label, loader, path, tier, files in loads:
         configs.append(Config(key, label, "warm", load(loader, path, tier), files=files, weight_bytes=in_memory[key],
-                              prime=in_memory[key] + slack, baseline="mlx_lm", load=(loader, path, tier),
+                              prime=in_memory[key] + SLACK, baseline="mlx_lm", load=(loader, path, tier),
                               floor=[f"floor-{key}"] + (["floor-4k-mlx"] if key in ("mlx", "mlx_lm") else [])))
         configs.append(Config(f"floor-{key}", f"memory floor: {label} bytes", "floor", floor_of(files),
-                              files=files, weight_bytes=size(files), prime=size(files) + slack))
+                              files=files, weight_bytes=size(files), prime=size(files) + SLACK))
     configs.append(Config("startup", "startup floor: interpreter, import mlx_lm, tokenizer (no weights)", "warm",
                           lambda: _probe(["startup", str(source)]), baseline="mlx_lm"))
     for key, label, loader, path, tier, files in loads:
         if key in ("mlx_lm", *CONVERSIONS, "int4", "mlx", "finalized", "cold-tier-int4"):
             configs.append(Config(f"inproc-{key}", f"in-process: {label}", "inproc",
-                                  _in_process(loader, path, tier, in_memory[key] + slack),
+                                  _in_process(loader, path, tier, in_memory[key] + SLACK),
                                   files=files, weight_bytes=in_memory[key], baseline="inproc-mlx_lm"))
     if generate:  # against what users load instead of an INT4 store: mlx_lm's 4-bit conversion
         ttft = [("mlx_lm", "mlx_lm.load (source dir)", "mlx_lm", source),
@@ -147,32 +147,32 @@ def _plan(source: Path, work: Path, quick: bool, cold: bool, do_compress: bool, 
             for key, label, loader, path in ttft:
                 configs.append(Config(f"{prefix}-{key}", f"to first token, {how}: {label}", "ttft",
                                       _to_first_token(loader, path, generate, in_process), files=src_files,
-                                      weight_bytes=src_bytes, prime=src_bytes + slack,
+                                      weight_bytes=src_bytes, prime=src_bytes + SLACK,
                                       baseline=f"{prefix}-mlx_lm-4bit"))
     if not quick:
         mlx_files = tier_files(int8, "mlx")
         configs.append(Config("floor-4k-mlx", "memory floor, 4 KiB pages: mlx tier bytes", "floor",
                               floor_of(mlx_files, "4k"), files=mlx_files, weight_bytes=src_bytes,
-                              prime=src_bytes + slack))
+                              prime=src_bytes + SLACK))
     firsts = [("first-int8", "first load, fresh int8 npy-dir (builds the tier this device takes)", fresh8),
               ("first-int4", "first load, fresh int4 npy-dir (builds the tier this device takes)", fresh4)]
     for key, label, store in firsts[1:] if quick else firsts:
         configs.append(Config(key, label, "first", _first_load(store), files=tier_files(store, "cold"),
-                              weight_bytes=src_bytes, prime=src_bytes + slack, baseline="mlx_lm",
+                              weight_bytes=src_bytes, prime=src_bytes + SLACK, baseline="mlx_lm",
                               before=lambda s=store: reset_fresh(s)))
     # The whole-process figure a fresh INT4 store is held to, in the same rounds: mlx_lm.load of the 4-bit
     # conversion (the store's own "first" load is its every load on a device that builds nothing).
     four_bit = converted["mlx_lm-4bit"]
     configs.append(Config("first-mlx_lm-4bit", "whole process: mlx_lm.load (4-bit conversion, g64)", "first",
                           load("mlx_lm", four_bit), files=source_files(four_bit),
-                          weight_bytes=in_memory["mlx_lm-4bit"], prime=in_memory["mlx_lm-4bit"] + slack,
+                          weight_bytes=in_memory["mlx_lm-4bit"], prime=in_memory["mlx_lm-4bit"] + SLACK,
                           baseline="first-mlx_lm-4bit"))
     if cold:
         for key, label, loader, path, tier, files in loads:
             if key == "cold-tier-int8" or (quick and key not in ("mlx_lm", "mlx")):
                 continue
             configs.append(Config(f"evicted-{key}", f"{label}, evicted", "cold", load(loader, path, tier),
-                                  files=files, weight_bytes=in_memory[key], prime=in_memory[key] + slack,
+                                  files=files, weight_bytes=in_memory[key], prime=in_memory[key] + SLACK,
                                   evict=all_files(path), disk=f"disk-{key}", baseline="evicted-mlx_lm"))
             configs.append(Config(f"disk-{key}", f"disk floor: {label} files", "disk",
                                   lambda f=files: _probe(["disk", *map(str, f)]), files=files, evict=files))
