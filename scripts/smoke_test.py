@@ -20,7 +20,7 @@ sys.path.append(str(REPO / "tests"))
 
 import mlx_lm  # noqa: E402
 import squishlike  # noqa: E402
-from squishlike import rust_quant  # noqa: E402
+import rust_quant  # noqa: E402
 from support.tiny_models import TINY_CONFIGS, cosine, logits, make_hf_model, make_tokenizer  # noqa: E402
 
 

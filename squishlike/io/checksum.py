@@ -14,8 +14,9 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rust_quant import Xxh3
+
 from ..errors import FormatError, IntegrityError
-from ..rust_quant import Xxh3
 
 from .files import open_regular
 

@@ -1,5 +1,5 @@
 """Quantize and dequantize INT8 (per row or group-wise) / INT2..INT6 weights with the Rust kernels
-(`squishlike.rust_quant`).
+(`rust_quant`, the extension module built from rust_quant/).
 
 Same functions and signatures as the NumPy spec in `squishlike.quant.reference`, with the same bits out, at memory
 speed. See that module for the conventions: dtype names, bfloat16 as raw uint16, N-D weights seen as 2-D.
@@ -14,8 +14,8 @@ allocate otherwise. Wrong dtypes raise TypeError; every other bad input raises
 from __future__ import annotations
 
 import numpy as np
+import rust_quant as _rq
 
-from squishlike import rust_quant as _rq
 from squishlike.quant.reference import (
     BITSTREAM_BITS,
     grouped_functions,

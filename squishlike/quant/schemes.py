@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
-
-from squishlike import rust_quant as _rq
+import rust_quant as _rq
 
 from ..dtypes import NP_STORAGE
 

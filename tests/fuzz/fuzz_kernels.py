@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fuzz the Rust kernels (squishlike.rust_quant) over shapes, dtypes, group sizes, layouts and values.
+"""Fuzz the Rust kernels (rust_quant) over shapes, dtypes, group sizes, layouts and values.
 
 Every call gets arrays of random shape (0-D to 3-D, empty, odd, mismatched), random NumPy dtype (right or wrong),
 random layout (C order, Fortran order, strided views, read-only, memory maps), random group sizes (negative, zero,
@@ -28,7 +28,7 @@ with atheris.instrument_imports(include=["squishlike.quant"]):
     import squishlike.quant as q
     from squishlike.quant import reference as ref
 
-from squishlike import rust_quant as rq  # noqa: E402
+import rust_quant as rq  # noqa: E402
 from squishlike.errors import QuantizationError  # noqa: E402
 
 DTYPES = [np.float32, np.float16, np.uint16, np.int8, np.uint8, np.uint32, np.int32, np.float64, np.int64, np.bool_,

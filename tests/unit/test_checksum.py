@@ -8,9 +8,9 @@ import hashlib
 
 import numpy as np
 import pytest
+from rust_quant import Xxh3
 
 from squishlike.io.checksum import CHECKSUM, FAST, HASHES, Digests, file_problem, file_record, hashes_to_check
-from squishlike.rust_quant import Xxh3
 
 
 def xxh3(*chunks) -> str:

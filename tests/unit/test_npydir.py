@@ -11,9 +11,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import rust_quant
 
 import squishlike
-from squishlike import rust_quant
 from squishlike.errors import FormatError
 from squishlike.npydir import SCHEMES, Manifest, NpyDir, Role, read_source
 from squishlike.quant import reference as ref
