@@ -11,25 +11,27 @@ import os
 
 from .errors import EnvironmentSwitchError
 
-SWITCHES: dict[str, bool] = {  # name -> default; what each does: docs/environment.md
+SWITCHES: dict[str, bool | None] = {  # name -> default (None: measured at run time); docs/environment.md
     "SQUISHLIKE_VERIFY": False,  # every load checks every recorded hash, as load(verify=True)
     "SQUISHLIKE_BACKGROUND_BUILD": True,  # a first load writes its dense tier on a background thread
-    "SQUISHLIKE_HUGEPAGES": True,  # Linux: weights go to huge-page-backed memory
+    "SQUISHLIKE_HUGEPAGES": None,  # Linux: weights go to huge-page-backed memory (unset: where 4 KiB pages are slow)
     "SQUISHLIKE_DIRECT_IO": True,  # tier files are written with O_DIRECT
     "SQUISHLIKE_OPENBLAS": True,  # eval and calibrating compress restart with the system OpenBLAS preloaded
 }
 FAULT_SEAM = ("SQUISHLIKE_FAULT_AT", "SQUISHLIKE_FAULT_NTH", "SQUISHLIKE_FAULT_ACTION", "SQUISHLIKE_FAULT_LOG")
 
 
-def switch(name: str) -> bool:
-    """The switch `name` (a key of SWITCHES): its default when unset, else 1 or 0."""
+def switch(name: str) -> bool | None:
+    """The switch `name` (a key of SWITCHES): its default when unset (None for one the caller measures), else 1 or
+    0."""
     default = SWITCHES[name]
     value = os.environ.get(name, "")
     if value == "":
         return default
     if value not in ("0", "1"):
+        what = "measured" if default is None else int(default)
         raise EnvironmentSwitchError(f"{name}={value}: a squishlike switch is 1 (on) or 0 (off), or unset for its "
-                                     f"default ({int(default)})")
+                                     f"default ({what})")
     return value == "1"
 
 

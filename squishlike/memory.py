@@ -14,6 +14,9 @@ block, and its pages fault in 2 MiB at a time. On exit M_MMAP_MAX is restored an
 is returned. Nothing here changes any value: it only decides which pages the bytes land in. Where it cannot work
 (not Linux/glibc, THP disabled, SQUISHLIKE_HUGEPAGES=0) it does nothing.
 
+It is used only where it pays: where fresh memory in 4 KiB pages, what MLX gets without it, faults in slowly.
+Unless SQUISHLIKE_HUGEPAGES says, a process measures that once (`small_pages_slow`, a few milliseconds).
+
 `load_parallel` evaluates lazily loaded arrays (`mx.load` of .safetensors or .npy) spread over one CPU stream per
 core, so the preads and page faults of different tensors run side by side instead of one after another.
 """
@@ -24,6 +27,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -42,13 +46,17 @@ MIN_ARENA = 64 << 20  # below this the page-fault cost is small enough not to bo
 _M_MMAP_MAX = -4  # mallopt parameter
 _DEFAULT_MMAP_MAX = 65536  # glibc's default for M_MMAP_MAX
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in with one call instead of one trap per page
 _GUARD = 4 << 20  # guard allocation: too big for any small-bin chunk, so it is carved right behind the block
 _lock = threading.Lock()
+log = logging.getLogger("squishlike")
 
 
 @cache
 def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or not switch("SQUISHLIKE_HUGEPAGES"):
+    """glibc, where the arena can work here: Linux, glibc, THP not disabled, SQUISHLIKE_HUGEPAGES not 0."""
+    if not sys.platform.startswith("linux") or switch("SQUISHLIKE_HUGEPAGES") is False:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -67,12 +75,54 @@ def _glibc() -> ctypes.CDLL | None:
     libc.free.restype = None
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
 def available() -> bool:
     """Whether huge_page_arena can work here (Linux, glibc, THP not disabled, SQUISHLIKE_HUGEPAGES not 0)."""
     return _glibc() is not None
+
+
+_SMALL_PROBE = 16 << 20
+# Bytes per CPU second. The arena paid where 4 KiB pages came at ~0.4 GB/s (docs/design.md §1.2) and cost where
+# they came at ~2.8 GB/s (§2.4): faulted in by MLX's own reading threads, they then cost less than the arena.
+_SLOW_SMALL = 1.5e9
+
+
+@cache
+def small_pages_slow() -> bool:
+    """Whether fresh memory in 4 KiB pages faults in slowly here (below _SLOW_SMALL), measured once per process on
+    16 MiB of fresh anonymous memory; False where the arena cannot work."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    block = libc.mmap(None, _SMALL_PROBE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      -1, 0)
+    if block in (None, ctypes.c_void_p(-1).value):
+        return False
+    try:
+        libc.madvise(block, _SMALL_PROBE, _MADV_NOHUGEPAGE)
+        started = time.thread_time()  # CPU time: a thread preempted meanwhile is not slow
+        if libc.madvise(block, _SMALL_PROBE, _MADV_POPULATE_WRITE) != 0:
+            return False  # an older kernel: no way to tell cheaply, and the arena's own populate fails there too
+        speed = _SMALL_PROBE / max(time.thread_time() - started, 1e-9)
+    finally:
+        libc.munmap(block, _SMALL_PROBE)
+    log.debug("fresh 4 KiB pages fault in at %.2f GB per CPU second: the huge-page arena is %s", speed / 1e9,
+              "used" if speed < _SLOW_SMALL else "not used")
+    return speed < _SLOW_SMALL
+
+
+def _arena_libc() -> ctypes.CDLL | None:
+    """glibc, where the arena can work and is wanted: SQUISHLIKE_HUGEPAGES=1, or unset where small pages are
+    slow."""
+    libc = _glibc()
+    if libc is None or (switch("SQUISHLIKE_HUGEPAGES") is None and not small_pages_slow()):
+        return None
+    return libc
 
 
 class _Reservation:
@@ -148,7 +198,7 @@ def reserve(nbytes: int) -> bool:
     beside whatever the caller does next (imports, the tokenizer). The next huge_page_arena of at most that size
     uses it. Returns whether anything was reserved. Call release() if the load does not happen."""
     global _pending
-    libc = _glibc()
+    libc = _arena_libc()
     if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
         return False
     try:
@@ -187,7 +237,7 @@ def huge_page_arena(nbytes: int, wait: bool = True) -> Iterator[bool]:
     but only allocations made by the main heap's users benefit; others behave exactly as before.
     """
     global _pending
-    libc = _glibc()
+    libc = _arena_libc()
     if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
         yield False
         return
@@ -213,11 +263,8 @@ def huge_page_arena(nbytes: int, wait: bool = True) -> Iterator[bool]:
         _lock.release()
 
 
-_MADV_NOHUGEPAGE = 15
-_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in with one call instead of one trap per page
 _POPULATE_CHUNK = 32 << 20
 _SLOW_HUGE = 1.5e9  # bytes per CPU second: huge pages this slow come from memory the hypervisor must back first
-log = logging.getLogger("squishlike")
 
 
 def _cores() -> int:

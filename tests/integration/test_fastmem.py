@@ -48,7 +48,8 @@ for name, value in sorted(tree_flatten(model.parameters())):
     raw = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value  # NumPy has no bfloat16
     h.update(name.encode() + str(value.dtype).encode() + np.array(raw).tobytes())
 print(json.dumps({"weights": h.hexdigest(), "tokens": tokenizer.encode("The capital of France"),
-                  "arena_bytes": arena.get("bytes", 0), "pending": fastmem.reserved()}))
+                  "arena_bytes": arena.get("bytes", 0), "pending": fastmem.reserved(),
+                  "small_pages_slow": fastmem.small_pages_slow()}))
 """
 
 
@@ -67,7 +68,7 @@ def _digests(store, env: dict, evicted: bool = False) -> dict:
 @pytest.mark.skipif(not fastmem.available(), reason="huge-page arena needs Linux glibc with THP not disabled")
 def test_prefaulted_arena_loads_identical_weights(int4_store):
     plain = _digests(int4_store, {"SQUISHLIKE_HUGEPAGES": "0"})
-    arena = _digests(int4_store, {}, evicted=True)
+    arena = _digests(int4_store, {"SQUISHLIKE_HUGEPAGES": "1"}, evicted=True)
     for tier in TIERS:
         assert plain[tier]["arena_bytes"] == 0
         assert arena[tier]["arena_bytes"] > 0, f"{tier}: the load did not use a pre-faulted arena"
@@ -77,8 +78,20 @@ def test_prefaulted_arena_loads_identical_weights(int4_store):
 
 
 @pytest.mark.skipif(not fastmem.available(), reason="huge-page arena needs Linux glibc with THP not disabled")
+def test_unset_the_arena_is_used_where_the_process_measured_small_pages_slow(int4_store):
+    measured = _digests(int4_store, {"SQUISHLIKE_HUGEPAGES": ""})
+    forced = _digests(int4_store, {"SQUISHLIKE_HUGEPAGES": "1"})
+    for tier in TIERS:
+        slow = measured[tier]["small_pages_slow"]
+        assert (measured[tier]["arena_bytes"] > 0) == slow, f"{tier}: small pages slow={slow}, the arena not so"
+        assert measured[tier]["weights"] == forced[tier]["weights"]
+        assert not measured[tier]["pending"]
+
+
+@pytest.mark.skipif(not fastmem.available(), reason="huge-page arena needs Linux glibc with THP not disabled")
 def test_reservation_released_when_the_load_fails(int4_store, monkeypatch):
     monkeypatch.setattr(fastmem, "MIN_ARENA", 0)
+    monkeypatch.setenv("SQUISHLIKE_HUGEPAGES", "1")
     (int4_store / "tokenizer.json").write_text("{not json")
     with pytest.raises(squishlike.errors.FormatError, match="tokenizer"):
         squishlike.load(int4_store, tier="mlx")
