@@ -2,9 +2,10 @@
 
 `squishlike bench` runs each figure's rounds after whatever ran before it, and on these VMs the speed of fresh
 memory depends on that history (design.md §2.2): the same command gave the 1.5B shape's in-process ratio anywhere
-from 1.00x to 1.82x within an hour. Here every round loads, one after another, the store with the arena (the
-default), the store with SQUISHLIKE_HUGEPAGES=0, and mlx_lm's 4-bit conversion, each a fresh process timed as
-the bench times it (squishlike.loadtime), so each pays for what the one before it freed; the medians are compared.
+from 1.00x to 1.82x within an hour. Here every round loads, one after another, the store as it loads by default
+(SQUISHLIKE_HUGEPAGES unset: the arena where the process measures 4 KiB pages slow, design.md §2.4), the store
+with the arena forced (=1) and forced off (=0), and mlx_lm's 4-bit conversion, each a fresh process timed as the
+bench times it (squishlike.loadtime), so each pays for what the one before it freed; the medians are compared.
 
     PYTHONPATH=. python benchmarks/bench_arena.py --workdir /tmp/lw2-bench --model qwen1.5b [--in-process] [--rounds 8]
 
@@ -23,7 +24,9 @@ from benchmarks.loadbench.run import SLACK
 from benchmarks.loadbench.stores import size, source_files
 from squishlike.loadtime import measure_load
 
-CONFIGS = (("arena", "squishlike", "1"), ("no arena", "squishlike", "0"), ("mlx_lm 4-bit", "mlx_lm", "1"))
+# name, loader, SQUISHLIKE_HUGEPAGES ("" is unset: the default)
+CONFIGS = (("default", "squishlike", ""), ("arena", "squishlike", "1"), ("no arena", "squishlike", "0"),
+           ("mlx_lm 4-bit", "mlx_lm", ""))
 
 
 def main() -> None:

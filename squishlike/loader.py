@@ -4,11 +4,11 @@ An npy-dir goes through the tier decision tree (squishlike/tiers); any other for
 MLX, GGUF, Ollama) loads straight through the provider. Either way the result is what mlx_lm.load returns.
 
 Why mlx_lm is imported inside `load`, not here: importing it (and with it transformers) takes about a second of
-single-threaded Python, and the other big cost of a warm load is faulting in the fresh memory the weights land in.
-So `load` of an npy-dir starts that fault-in (and a read-ahead of evicted tier files) on a background thread
-(tiers.prepare_memory: threads that only call madvise and fadvise), imports meanwhile (without transformers'
-AutoTokenizer registry, which it never uses: mlx_lm_import.py) and builds the tokenizer; then it reads the
-weights into the faulted memory and builds the model (docs/design.md §3).
+single-threaded Python, and on a machine where fresh memory faults in slowly (memory.small_pages_slow) the other
+big cost of a warm load is that fault-in. So `load` of an npy-dir starts it there (and a read-ahead of evicted tier
+files, everywhere) on a background thread (tiers.prepare_memory: threads that only call madvise and fadvise),
+imports meanwhile (without transformers' AutoTokenizer registry, which it never uses: mlx_lm_import.py) and
+builds the tokenizer; then it reads the weights and builds the model (docs/design.md §2.4, §3).
 Everything that touches MLX or imports mlx_lm stays on this thread: importing mlx_lm creates an MLX stream
 (mlx_lm.generate's), and MLX streams belong to the thread that made them.
 """

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -59,7 +58,8 @@ def _glibc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux") or switch("SQUISHLIKE_HUGEPAGES") is False:
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # glibc's soname on every Linux; ctypes.util.find_library would run `ldconfig -p` (2-25 ms a load)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.gnu_get_libc_version  # glibc only: musl's malloc has no mallopt knobs worth this
     except (OSError, AttributeError):
         return None
@@ -86,7 +86,7 @@ def available() -> bool:
     return _glibc() is not None
 
 
-_SMALL_PROBE = 16 << 20
+_SMALL_PROBE = 4 << 20  # 1,024 pages: ~1.5 ms where they are fast
 # Bytes per CPU second. The arena paid where 4 KiB pages came at ~0.4 GB/s (docs/design.md §1.2) and cost where
 # they came at ~2.8 GB/s (§2.4): faulted in by MLX's own reading threads, they then cost less than the arena.
 _SLOW_SMALL = 1.5e9
@@ -95,7 +95,7 @@ _SLOW_SMALL = 1.5e9
 @cache
 def small_pages_slow() -> bool:
     """Whether fresh memory in 4 KiB pages faults in slowly here (below _SLOW_SMALL), measured once per process on
-    16 MiB of fresh anonymous memory; False where the arena cannot work."""
+    4 MiB of fresh anonymous memory; False where the arena cannot work."""
     libc = _glibc()
     if libc is None:
         return False
@@ -198,8 +198,7 @@ def reserve(nbytes: int) -> bool:
     beside whatever the caller does next (imports, the tokenizer). The next huge_page_arena of at most that size
     uses it. Returns whether anything was reserved. Call release() if the load does not happen."""
     global _pending
-    libc = _arena_libc()
-    if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
+    if nbytes < MIN_ARENA or (libc := _arena_libc()) is None or not _lock.acquire(blocking=False):
         return False
     try:
         if _pending is not None:
@@ -237,8 +236,7 @@ def huge_page_arena(nbytes: int, wait: bool = True) -> Iterator[bool]:
     but only allocations made by the main heap's users benefit; others behave exactly as before.
     """
     global _pending
-    libc = _arena_libc()
-    if libc is None or nbytes < MIN_ARENA or not _lock.acquire(blocking=False):
+    if nbytes < MIN_ARENA or (libc := _arena_libc()) is None or not _lock.acquire(blocking=False):
         yield False
         return
     reservation = None
