@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
@@ -91,13 +92,20 @@ def _drop_none(d: dict) -> dict:
 _R = TypeVar("_R", bound="_Flat")
 
 
+@cache
+def _field_checks(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, check) of each field of a _Flat record, by its annotated type; worked out once per class (a manifest
+    holds thousands of records)."""
+    return tuple((f.name, _FIELD_CHECKS[f.type]) for f in dataclasses.fields(cls))
+
+
 class _Flat:
     """A record whose JSON object is its fields, as they are: each checked by its annotated type."""
 
     @classmethod
     def from_json(cls: type[_R], raw: Any) -> _R:
         raw = _typed(raw, dict, cls.__name__)
-        return cls(*(_FIELD_CHECKS[f.type](raw[f.name], f.name) for f in dataclasses.fields(cls)))
+        return cls(*(check(raw[name], name) for name, check in _field_checks(cls)))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,8 +180,7 @@ class TensorEntry:
 
     def part_spec(self, suffix: str) -> tuple[np.dtype, tuple[int, ...]]:
         """(dtype, shape) of one part: what its file must hold."""
-        part = next(p for p in self.kind.parts if p.suffix == suffix)
-        return self.kind.part_spec(part.role, self.shape, group_size=self.group_size or 0,
+        return self.kind.part_spec(self.kind.roles[suffix], self.shape, group_size=self.group_size or 0,
                                    scale_dtype=self.scale_dtype, stored_dtype=self.stored_dtype)
 
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 import numpy as np
 import rust_quant as _rq
@@ -52,9 +53,14 @@ class Scheme:
         """Whether the scheme keeps a scale and bias per group of columns (affine INT2..INT6, group-wise INT8)."""
         return bool(self.group_sizes)
 
-    @property
+    @cached_property  # asked for each part of each tensor a load opens: hundreds of times
     def suffixes(self) -> tuple[str, ...]:
         return tuple(p.suffix for p in self.parts)
+
+    @cached_property
+    def roles(self) -> dict[str, Role]:
+        """Each part's role, by its suffix."""
+        return {p.suffix: p.role for p in self.parts}
 
     def packed_cols(self, cols: int) -> int:
         """Words of packed codes per row of `cols` values."""
