@@ -37,7 +37,6 @@ from .io.lock import exclusive
 from .options import checks_options
 
 _SAMPLE_ROWS = 256  # rows sampled per tensor for the error statistics: cheap, and stable to a few percent
-GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
 
 
 @dataclass
@@ -433,7 +432,7 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     compensated = plan.quantize(name, array, src_dtype, scheme)
     if compensated is None:
         return entry, array, src_dtype, parts, planned
-    entry.reason += GPTQ_REASON
+    entry.reason += plan.compensation(name)
     return entry, array, src_dtype, dict(zip(entry.kind.suffixes, compensated)), True
 
 
@@ -443,7 +442,7 @@ def _unchanged_tensor(provider: WeightProvider, name: str, info, opts: CompressO
     there; `parts`: its parts): this store's entry, with the error statistics of those very parts."""
     scheme, reason = plan.scheme(name, *choose_scheme(name, earlier.shape, opts, kind))
     entry = TensorEntry(encode_key(name), provider.source_name(name), earlier.shape, info.dtype, scheme,
-                        reason + (GPTQ_REASON if plan.compensates(name, scheme) else ""),
+                        reason + (plan.compensation(name) if plan.compensates(name, scheme) else ""),
                         group_size=earlier.group_size, scale_dtype=earlier.scale_dtype, error=earlier.error)
     return entry, None, None, parts, True
 

@@ -27,8 +27,10 @@ tensors before the next layer runs:
   plain-RMSNorm decoder families (llama, mistral, qwen2, qwen3); others are compressed without scaling and the
   manifest says why.
 
-- GPTQ (`gptq`): each linear of a scaled family, and the output head, rounded column by column on its layer's
-  recorded inputs (docs/design.md §7.2 for where its factorisation runs).
+- GPTQ (`gptq`): every linear and expert stack the model quantizes, on any architecture the block runner runs,
+  grouped by the input they read (`linears.input_groups`, found from the model), and the output head, rounded
+  column by column on its layer's recorded inputs; an expert stack expert by expert, each on the rows routed to
+  it (docs/design.md §7.2 for where its factorisation runs, §7.5 for the groups and the experts).
 
 - Mixed precision (`plan_mixed`): each quantized tensor's cost is the change of its layer's output on the
   calibration inputs, measured at the store's scheme and at the higher one in a first block-by-block pass; the

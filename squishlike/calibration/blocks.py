@@ -256,8 +256,13 @@ class BlockRunner:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             nll += nll_sum(logprobs, mx.array(window.tokens[window.first_target:], dtype=mx.int32)).item()
             count += window.n_scored
-        self._drop(self.vocabulary)
+        self.release_vocabulary()
         return math.exp(nll / max(count, 1))
+
+    def release_vocabulary(self) -> None:
+        """Drop the vocabulary-sized weights `logits` read (they are read again when next needed)."""
+        if self._vocabulary_loaded:
+            self._drop(self.vocabulary)
 
 
 def module_at(model: nn.Module, path: str) -> nn.Module:

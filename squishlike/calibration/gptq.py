@@ -20,7 +20,6 @@ from ..openblas import mlx_lapack_is_fast
 from ..quant.reference import BITSTREAM_BITS, storage_dtype, to_float32
 from .products import subtract_product
 from .quantizer import Quantizer
-from .stats import ScaleGroup
 
 DAMPING = 0.01  # of the Hessian's mean diagonal, added to its diagonal (the paper's and mlx_lm's value)
 BATCH = 256  # columns whose errors are spread onto the later columns in one product (the paper's lazy batch: 128)
@@ -30,6 +29,9 @@ BATCH = 256  # columns whose errors are spread onto the later columns in one pro
 # 0.24 TFLOP a layer, in spans 29 GFLOP; at 18,944, 4.3 GB of factors at once, in spans 16 MB each.
 HESSIAN_SPAN = 2048
 ROW_BLOCK = 8192  # rows GPTQ rounds at once (see gptq)
+# An expert reached by fewer calibration rows than this has its Hessian pooled with its stack's (expert_factors);
+# measured in docs/design.md §7.5
+EXPERT_MIN_ROWS = 16
 _PACK = {"int4": quant.pack_int4, "int8g": lambda q: q,
          **{f"int{bits}": functools.partial(quant.pack_bits, bits=bits) for bits in BITSTREAM_BITS}}
 
@@ -43,7 +45,8 @@ class FactorSpan:
     dead: np.ndarray  # bool [n]: inputs that are always zero, whose weights do not matter
 
 
-def inverse_hessian_factor(x: np.ndarray, span: int = HESSIAN_SPAN) -> list[FactorSpan]:
+def inverse_hessian_factor(x: np.ndarray, span: int = HESSIAN_SPAN,
+                           prior: mx.array | None = None) -> list[FactorSpan]:
     """The factors for calibration inputs `x` (float32 [n, cols]), one per span of `span` columns: u the upper
     Cholesky factor of H^-1, H = x^T x damped (over the span's columns), whose row k says how column k's rounding
     error spreads onto the later columns of its span; dead the inputs that are always zero.
@@ -52,12 +55,17 @@ def inverse_hessian_factor(x: np.ndarray, span: int = HESSIAN_SPAN) -> list[Fact
     no GPU Cholesky; NumPy's, on two busy cores, was 40x slower), in float32, as mlx_lm's GPTQ. One Cholesky
     factorisation and one triangular inverse, not an inverse and a factorisation: the lower factor L of H with its
     rows and columns reversed (J H J = L L^T) gives H = (J L J)(J L J)^T, so u = (J L J)^-1 = J L^-1 J.
+
+    `prior` ([cols, cols]), when given, is added to x^T x before damping (an expert's Hessian pooled with its
+    stack's, `expert_factors`).
     """
     xs = mx.array(x)
     spans = []
     for start in range(0, xs.shape[1], span):
         xc = xs[:, start:start + span]
         h = xc.T @ xc
+        if prior is not None:
+            h = h + prior[start:start + span, start:start + span]
         dead = mx.diag(h) == 0
         h = h + mx.diag(dead.astype(mx.float32))  # a dead input's column: unconstrained, and H stays invertible
         h = h + DAMPING * mx.mean(mx.diag(h)) * mx.eye(h.shape[0])
@@ -74,6 +82,23 @@ def _upper_inverse_factor(h: mx.array) -> np.ndarray:
         return np.array(mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)[::-1, ::-1])
     lower = np.linalg.cholesky(np.array(h)[::-1, ::-1])
     return np.ascontiguousarray(np.tril(np.linalg.inv(lower))[::-1, ::-1])
+
+
+def expert_factors(x: np.ndarray, experts: np.ndarray, count: int,
+                   min_rows: int = EXPERT_MIN_ROWS) -> list[list[FactorSpan]]:
+    """The inverse-Hessian factor of each of an expert stack's `count` experts, from the rows `x` routed to it
+    (`experts[r]`: the expert row r went to). An expert that fewer than `min_rows` rows reached has its Hessian
+    pooled with the stack's: the stack's mean row outer product, (min_rows - its rows) times, is added to its own,
+    so an expert that saw 3 tokens is compensated mostly on what the whole stack saw (as mlx_lm's one Hessian per
+    stack does for every expert) and one that saw many on its own tokens alone."""
+    xs = mx.array(x)
+    mean = (xs.T @ xs) / max(len(x), 1)
+    factors = []
+    for e in range(count):
+        own = x[experts == e]
+        missing = max(min_rows - len(own), 0)
+        factors.append(inverse_hessian_factor(own, prior=mean * missing if missing else None))
+    return factors
 
 
 def gptq(w: np.ndarray, dtype: str, qz: Quantizer, factor: list[FactorSpan]) -> tuple[np.ndarray, ...]:
@@ -119,13 +144,3 @@ def _gptq_rows(w: np.ndarray, qz: Quantizer, factor: list[FactorSpan], codes: np
                     subtract_product(w[:, j:end], w[:, i:j], u[i - first:j - first, j - first:end - first])
             if end < last:
                 subtract_product(w[:, end:last], w[:, b:end], u[b - first:end - first, end - first:])
-
-
-def head_group(provider) -> ScaleGroup | None:
-    """The output head (its own weight, or the token embedding it is tied to) as a group whose input is recorded
-    at the final norm's output; None when the model has no such pair."""
-    head = "output.weight" if provider.has("output.weight") else "token_embedding.weight"
-    if not (provider.has(head) and provider.has("output_norm.weight")):
-        return None
-    norm = provider.mlx_name("output_norm.weight").removesuffix(".weight")
-    return ScaleGroup("head", "head", -1, norm, (head,), (), records_output=True)

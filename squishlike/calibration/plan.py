@@ -26,13 +26,16 @@ from ..quant.reference import from_float32, to_float32
 from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, Transform, add_scales, group_scales, scale_groups, search_awq
 from .blocks import BlockRunner
-from .gptq import DAMPING, FactorSpan, gptq, head_group, inverse_hessian_factor
+from .gptq import DAMPING, EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
+from .linears import input_groups, vocabulary
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
-from .stats import (Calibration, calibration_windows, log, positions, record, record_output, sample_positions,
+from .stats import (Calibration, calibration_windows, log, positions, record, record_head, sample_positions,
                     thinned)
 
 
+GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
+GPTQ_EXPERTS_REASON = "; GPTQ per expert (each expert's rounding errors compensated on the rows routed to it)"
 PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
 
 
@@ -47,16 +50,17 @@ class Plan:
     reference_ppl: float | None = None
     record: dict[str, Any] = field(default_factory=dict)  # manifest keys
     runtime: str = "float32"  # the store's runtime dtype
-    inputs: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)  # linear -> (its group, the group's
-    # calibration inputs), for GPTQ
+    # linear -> (its input group, the group's calibration inputs, for an expert stack the expert of each row), for GPTQ
+    inputs: dict[str, tuple[str, np.ndarray, np.ndarray | None]] = field(default_factory=dict)
     quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
     # The store another size's widths were planned from (`sensitivity_from`), and its entries of the tensors it
     # holds as this compress writes them (`Calibrator._unchanged`): compress copies their parts.
     earlier: NpyDir | None = None
     unchanged: dict[str, TensorEntry] = field(default_factory=dict)
-    # The latest group's inverse-Hessian factor, shared by the linears that read one input (q, k, v; gate, up), which
-    # compress reaches one after another. Only one is kept: a wide one (down's) is hundreds of MB.
-    _factor: tuple[str, list[FactorSpan]] | None = field(default=None, init=False, repr=False)
+    # The latest group's inverse-Hessian factor (an expert stack's: one per expert), shared by the linears that read
+    # one input (q, k, v; gate, up), which compress reaches one after another; keyed by the group and the AWQ scale
+    # its inputs were divided by. Only one is kept: a wide one (down's) is hundreds of MB.
+    _factor: tuple[tuple[str, int], list] | None = field(default=None, init=False, repr=False)
 
     def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
         """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
@@ -69,16 +73,26 @@ class Plan:
 
     def quantize(self, name: str, array: np.ndarray, src_dtype: str, scheme: str) -> tuple[np.ndarray, ...] | None:
         """The parts of `name` (as `apply` returned it) quantized by GPTQ on its calibration inputs, when GPTQ was
-        asked for and the tensor keeps the store's scheme; else None (compress rounds it to nearest)."""
+        asked for and the tensor keeps the store's scheme; else None (compress rounds it to nearest). An expert
+        stack ([experts, out, in]) is GPTQ'd expert by expert, each on its own Hessian (`expert_factors`)."""
         if not self.compensates(name, scheme):
             return None
         qz = self.quantizers[name]
-        group, x = self.inputs[name]
-        if self._factor is None or self._factor[0] != group:
-            if name in self.transform.col:  # AWQ multiplied the weight's columns by s (the same for the whole
-                x = x / self.transform.col[name][None, :]  # group): its inputs are divided by s
-            self._factor = group, inverse_hessian_factor(x)
-        return gptq(array.reshape(array.shape[0], -1), src_dtype, qz, self._factor[1])
+        group, x, experts = self.inputs[name]
+        scale = self.transform.col.get(name)
+        if self._factor is None or self._factor[0] != (group, id(scale)):
+            if scale is not None:  # AWQ multiplied the weight's columns by s: its inputs are divided by s
+                x = x / scale[None, :]
+            factor = inverse_hessian_factor(x) if experts is None else expert_factors(x, experts, array.shape[0])
+            self._factor = (group, id(scale)), factor
+        if experts is None:
+            return gptq(array.reshape(array.shape[0], -1), src_dtype, qz, self._factor[1])
+        parts = [gptq(array[e], src_dtype, qz, f) for e, f in enumerate(self._factor[1])]
+        return tuple(np.concatenate(p) for p in zip(*parts))
+
+    def compensation(self, name: str) -> str:
+        """What ends the manifest reason of a tensor `quantize` GPTQs."""
+        return GPTQ_EXPERTS_REASON if self.inputs[name][2] is not None else GPTQ_REASON
 
     def compensates(self, name: str, scheme: str) -> bool:
         """Whether `quantize` GPTQs `name` at `scheme` (it has the inputs and the quantizer of that scheme)."""
@@ -182,13 +196,13 @@ class Calibrator:
         self.groups, self.why_not = scale_groups(self.model, provider) if wanted else ([], None)
         if self.why_not and opts.awq:
             warnings.warn(f"AWQ scaling skipped: {self.why_not}")
-        if self.why_not and opts.gptq:
-            warnings.warn(f"GPTQ of the decoder linears skipped: {self.why_not}")
-        self.head = head_group(provider) if opts.gptq or opts.mixed_precision > 0 or opts.bpw is not None else None
         self.canonical = {provider.mlx_name(n): n for n in provider.names()}
+        self.embedding, self.head = vocabulary(self.model, self.canonical)
         self.awq: dict[str, dict] = {}
         self.known_alphas: dict[str, dict] = {}  # group -> AWQ's report, from the store sensitivities come from
         self.gptq_tensors: set[str] = set()
+        self.gptq_left_out: dict[str, str] = {}  # linear -> why GPTQ could not take it
+        self.expert_stacks: set[str] = set()  # the expert stacks GPTQ'd expert by expert
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
         self.plan.record["calibration"] = {
@@ -250,6 +264,7 @@ class Calibrator:
         for kind, table in (("col", self.plan.transform.col), ("row", self.plan.transform.row)):
             arrays.update({f"{kind}.{name}": v for name, v in table.items()})
         return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
+                "expert_stacks": sorted(self.expert_stacks), "gptq_left_out": self.gptq_left_out,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl}, arrays
 
@@ -258,6 +273,7 @@ class Calibrator:
         self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], state["promote"]
         self.plan.group_sizes = state.get("group_sizes", {})  # a checkpoint from before group sizes were planned
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
+        self.expert_stacks, self.gptq_left_out = set(state.get("expert_stacks", ())), state.get("gptq_left_out", {})
         self.plan.reference_ppl = state["reference_ppl"]
         for key, value in arrays.items():
             kind, _, name = key.partition(".")
@@ -279,12 +295,22 @@ class Calibrator:
         block's inputs."""
         groups = self._block_groups(i)
         runner.load(i)
-        calib, runner.hidden = record(runner, i, groups, self.every if self.opts.gptq else self.picks)
+        compensated = self._input_groups(runner, i, groups) if self.opts.gptq else []
+        recorded = [*groups, *(g for g in compensated if g not in groups)]
+        calib, runner.hidden = record(runner, i, recorded, self.every if self.opts.gptq else self.picks)
         if not self.plan.record.get("awq_from_first_pass"):
             self._search_awq(groups, thinned(calib, self.windows, self.opts.calibration_samples)
                              if self.opts.gptq else calib)
         if self.opts.gptq:
-            self._gptq_inputs(groups, calib)
+            self._gptq_inputs(compensated, calib)
+
+    def _input_groups(self, runner: BlockRunner, i: int, awq: list[ScaleGroup]) -> list[ScaleGroup]:
+        """The block's linears GPTQ rounds, by the input they read (linears.input_groups), on any architecture; a
+        group an AWQ group records as well is that AWQ group, so its input is recorded once."""
+        found, left_out = input_groups(runner, i, self.canonical, lambda n: self._gptq_quantizer(n) is not None)
+        self.gptq_left_out.update(left_out)
+        same = {(g.module, frozenset(g.members)): g for g in awq}
+        return [same.get((g.module, frozenset(g.members)), g) for g in found]
 
     def _search_awq(self, groups: list[ScaleGroup], calib: Calibration) -> None:
         """The AWQ scales of a block's groups, into the plan's transform and the manifest's report. Alphas a store
@@ -305,10 +331,16 @@ class Calibrator:
 
     def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration) -> None:
         for g in groups:
+            if not np.isfinite(calib.samples[g.name]).all():  # the float source overflows here: no Hessian
+                self.gptq_left_out.update({m: "its calibration inputs are not finite" for m in g.members})
+                continue
             for m in g.members:
                 if (qz := self._gptq_quantizer(m)) is not None:
-                    self.plan.inputs[m], self.plan.quantizers[m] = (g.name, calib.samples[g.name]), qz
+                    self.plan.inputs[m] = g.name, calib.samples[g.name], calib.experts.get(g.name)
+                    self.plan.quantizers[m] = qz
                     self.gptq_tensors.add(m)
+                    if g.kind == "experts":
+                        self.expert_stacks.add(m)
 
     def _gptq_quantizer(self, name: str) -> Quantizer | None:
         """The quantizer GPTQ rounds `name` with: the store's, or the group-wise width planned for it."""
@@ -324,15 +356,13 @@ class Calibrator:
         """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
-            self._gptq_inputs([self.head], self._head_inputs(runner, self.every))
+            try:
+                self._gptq_inputs([self.head], record_head(runner, self.head, self.every))
+            except UnsupportedArchitectureError as e:
+                self.gptq_left_out[self.head.members[0]] = str(e)
         if self.opts.scheme == "int3" and self.opts.int3_gate:
             self.plan.reference_ppl = runner.perplexity(runner.hidden)
             self.plan.record["calibration"]["reference_ppl"] = round(self.plan.reference_ppl, 6)
-
-    def _head_inputs(self, runner: BlockRunner, picks: list[mx.array]) -> Calibration:
-        """The output head's input statistics, rows at `picks`: the final norm's outputs on the last block's."""
-        norm = runner.module(self.head.module)
-        return record_output([norm(h) for h in runner.hidden], self.head, picks)
 
     def _mixed(self, runner: BlockRunner) -> None:
         """A first pass over every block: AWQ's scales (kept for the second pass) and each quantized tensor's
@@ -374,17 +404,17 @@ class Calibrator:
         calibration text looks up), with each of `offered` that fits it; a tied pair is one tensor, whose losses
         add."""
         measured: dict[str, list[tuple[float, ...]]] = {}
-        for name in (self.head.members[0] if self.head is not None else None, "token_embedding.weight"):
+        for name in (self.head.members[0] if self.head is not None else None, self.embedding):
             if name is not None and self.provider.has(name) and self.source.quantizer_for(name) == self.source.base \
                     and len(self.source.shape(name)) == 2:
                 shapes[name] = rows_cols(self.source.shape(name))
                 quantizers[name] = fitting(offered, shapes[name][1])
         if self.head is not None and self.head.members[0] in quantizers:
             name = self.head.members[0]
-            x = self._head_inputs(runner, self.picks).samples["head"]
+            x = record_head(runner, self.head, self.picks).samples["head"]
             measured[name] = [tensor_losses(name, self.source.weight(name), x, self.plan.transform,
                                             quantizers[name])]
-        name = "token_embedding.weight"
+        name = self.embedding
         if name in quantizers:
             w = self.source.weight(name)
             counts = np.bincount([t for win in self.windows for t in win.tokens[:-1]], minlength=w.shape[0])
@@ -504,12 +534,20 @@ class Calibrator:
         if self.opts.gptq:
             record["gptq"] = {
                 "applied": bool(self.gptq_tensors),
-                "decoder_skipped": self.why_not,
                 "method": f"GPTQ: columns rounded in order, each error spread by the inverse Hessian of the "
-                f"layer's calibration inputs (damping {DAMPING} of its mean diagonal); grids are the store's own",
+                f"layer's calibration inputs (damping {DAMPING} of its mean diagonal); grids are the store's own; "
+                "every linear and expert stack the model quantizes, grouped by the input they read",
                 "tensors": len(self.gptq_tensors),
                 "samples": int(sum(len(p) for p in self.every)),
+                "left_out": dict(sorted(self.gptq_left_out.items())),
             }
+            if self.expert_stacks:
+                record["gptq"]["experts"] = {
+                    "per_expert": True,
+                    "method": "each expert's Hessian from the calibration rows routed to it; an expert fewer than "
+                    f"{EXPERT_MIN_ROWS} rows reached is pooled with its stack's mean row Hessian up to that many",
+                    "stacks": sorted(self.expert_stacks),
+                }
         return record
 
     def _awq_record(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..evaluation import DEFAULT_WINDOW, Window, load_text, token_windows
+from ..errors import UnsupportedArchitectureError
 from .blocks import BlockRunner, module_at
 
 CALIBRATION_TEXT = "calibration"
@@ -35,7 +36,7 @@ class ScaleGroup:
     """Linears that read one input, and the tensors that produce it (where 1/s folds)."""
 
     name: str  # "layers.3.attn"
-    kind: str  # attn | o | mlp | down
+    kind: str  # AWQ's attn | o | mlp | down; "linears" or "experts" (an expert stack) for GPTQ's input groups
     layer: int
     module: str  # mlx module path whose input is recorded (the group's first linear)
     members: tuple[str, ...]  # canonical weights whose columns are multiplied by s
@@ -51,16 +52,38 @@ class _Sink:
         self.rows: list[mx.array] = []
         self.pick: mx.array | None = None  # positions of the current window to keep
 
-    def add(self, x: mx.array) -> None:
+    def add(self, x: mx.array, *_, **__) -> None:
+        flat = self._sum(x)
+        if self.pick is not None:
+            self.rows.append(flat[self.pick])
+
+    def _sum(self, x: mx.array) -> mx.array:
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
         total = mx.abs(flat).sum(axis=0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
         self.count += flat.shape[0]
-        if self.pick is not None:
-            self.rows.append(flat[self.pick])
+        return flat
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.abs_sum, *self.rows) if a is not None]
+
+
+class _ExpertSink(_Sink):
+    """An expert stack's input (`SwitchLinear(x, indices)`): every routed row, each with the expert it went to.
+    All rows are kept, whatever `pick` says: a sorted dispatch (mlx_lm sorts 64 or more routed rows by expert)
+    hands the stack its rows without their positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts: list[mx.array] = []
+
+    def add(self, x: mx.array, indices: mx.array, *_, **__) -> None:
+        # Unsorted, x is [..., 1 or k, 1, in] for indices [..., k]; sorted, [n, 1, in] for indices [n]
+        self.rows.append(self._sum(mx.broadcast_to(x, (*indices.shape, *x.shape[-2:]))))
+        self.experts.append(indices.reshape(-1).astype(mx.int32))
+
+    def arrays(self) -> list[mx.array]:
+        return [*super().arrays(), *self.experts]
 
 
 class _Recorder(nn.Module):
@@ -74,14 +97,14 @@ class _Recorder(nn.Module):
 
     def __call__(self, x, *args, **kwargs):
         if not self._squish_output:
-            self._squish_sink.add(x)
+            self._squish_sink.add(x, *args, **kwargs)
         y = self.inner(x, *args, **kwargs)
         if self._squish_output:
             self._squish_sink.add(y)
         return y
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     parent_path, _, attr = path.rpartition(".")
     parent = module_at(model, parent_path)
     old = parent[attr] if isinstance(parent, dict) and attr in parent else getattr(parent, attr)
@@ -95,6 +118,8 @@ class Calibration:
 
     abs_mean: dict[str, np.ndarray]  # group name -> mean |x_j| over every calibration token
     samples: dict[str, np.ndarray]  # group name -> [n, in] float32 input rows, evenly spaced over the text
+    experts: dict[str, np.ndarray] = field(default_factory=dict)  # an expert stack's group -> [n] the expert each
+    # of its rows (every routed row) went to
 
 
 def positions(windows: Sequence[Window]) -> int:
@@ -130,13 +155,13 @@ def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks:
            hidden: Sequence[mx.array] | None = None) -> tuple[Calibration, list[mx.array]]:
     """Run block `block` (loaded) on the windows' hidden states, recording each group's input statistics: what
     the groups measured, and the block's outputs. The windows run side by side (`BlockRunner.forward`)."""
-    sinks = {g.name: _Sink() for g in groups}
+    sinks = {g.name: _ExpertSink() if g.kind == "experts" else _Sink() for g in groups}
     originals = []  # (path, what was there): groups may record one module (mixed precision's one-linear groups and
     # AWQ's q, k, v group read q's input), whose recorders then wrap each other and must come off in reverse
     try:
         for g in groups:
             recorder = _Recorder(module_at(runner.model, g.module), sinks[g.name], g.records_output)
-            originals.append((g.module, _replace(runner.model, g.module, recorder)))
+            originals.append((g.module, replace_module(runner.model, g.module, recorder)))
         outputs = []
         for w, (h, pick) in enumerate(zip(runner.hidden if hidden is None else hidden, picks)):
             for sink in sinks.values():
@@ -145,22 +170,42 @@ def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks:
         runner.evaluate(block, [*outputs, *(a for s in sinks.values() for a in s.arrays())])
     finally:
         for path, original in reversed(originals):
-            _replace(runner.model, path, original)
+            replace_module(runner.model, path, original)
     return _measured(sinks), outputs
 
 
-def record_output(x: Sequence[mx.array], group: ScaleGroup, picks: Sequence[mx.array]) -> Calibration:
-    """A group's statistics from inputs computed outside any block (the head's: the final norm's outputs)."""
+def record_head(runner: BlockRunner, group: ScaleGroup, picks: Sequence[mx.array]) -> Calibration:
+    """The output head's input statistics (`linears.vocabulary`'s group), rows at `picks`: what the model's own
+    tail (final norm, any scaling) hands the head on the last block's outputs (`runner.hidden`). Only that is
+    computed: the logits' graph is built, never evaluated."""
     sink = _Sink()
-    for h, pick in zip(x, picks):
-        sink.pick = pick
-        sink.add(h)
-    mx.eval(*sink.arrays())
+    module = module_at(runner.model, group.module)
+    tied = isinstance(module, nn.Embedding)
+    if tied:  # the model calls the embedding's as_linear: an attribute of the instance shadows the method
+        object.__setattr__(module, "as_linear", lambda x: (sink.add(x), type(module).as_linear(module, x))[1])
+    else:
+        replace_module(runner.model, group.module, _Recorder(module, sink, False))
+    try:
+        for h, window, pick in zip(runner.hidden, runner.windows, picks):
+            sink.pick = pick
+            runner.logits(h, window)
+        mx.eval(*sink.arrays())
+    finally:
+        if tied:
+            object.__delattr__(module, "as_linear")
+        else:
+            replace_module(runner.model, group.module, module)
+        runner.release_vocabulary()
+    if not sink.rows:
+        raise UnsupportedArchitectureError(f"{type(runner.model).__module__}: the output head {group.module} is "
+                                           "not called on the last layer's output")
     return _measured({group.name: sink})
 
 
 def _measured(sinks: dict[str, _Sink]) -> Calibration:
     abs_mean = {k: np.array(s.abs_sum) / max(s.count, 1) for k, s in sinks.items()}
     rows = {k: np.concatenate([np.array(r) for r in s.rows], axis=0) for k, s in sinks.items()}
-    return Calibration(abs_mean, rows)
+    experts = {k: np.concatenate([np.array(e) for e in s.experts]) for k, s in sinks.items()
+               if isinstance(s, _ExpertSink)}
+    return Calibration(abs_mean, rows, experts)
 

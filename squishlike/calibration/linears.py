@@ -1,0 +1,88 @@
+"""Which linears of a block read one input, found from the model itself rather than from a list of families.
+
+The block's graph is built once on a calibration window (never evaluated: MLX builds it lazily) with a probe on
+every `nn.Linear` and expert stack (`SwitchLinear`); linears handed the very same input array read one input and
+share one Hessian (q, k, v; gate and up; an expert stack's gate and up). This is what GPTQ needs on any
+architecture the block runner runs: the 4 families AWQ folds into are no longer a gate on it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from ..model import embedding_weights
+from .blocks import BlockRunner, module_at
+from .stats import ScaleGroup, replace_module
+
+COMPENSATED_TYPES = (nn.Linear, SwitchLinear)  # mlx_lm's GPTQ covers the same two
+
+
+class _Probe(nn.Module):
+    """Stands in for a linear while the block's graph is built: notes each input it is handed."""
+
+    def __init__(self, inner: nn.Module, calls: list):
+        super().__init__()
+        self.inner = inner
+        self._squish_calls = calls  # every probe's, in call order
+        self._squish_inputs: list = []  # the arrays themselves, so that no id is reused while the probes live
+
+    def __call__(self, x, *args, **kwargs):
+        self._squish_calls.append(self)
+        self._squish_inputs.append(x)
+        return self.inner(x, *args, **kwargs)
+
+
+def input_groups(runner: BlockRunner, i: int, canonical: dict[str, str],
+                 wanted: Callable[[str], bool]) -> tuple[list[ScaleGroup], dict[str, str]]:
+    """The linears of block `i` (loaded) whose canonical weight `wanted` accepts, grouped by the input they read,
+    in the order the block calls them; and {canonical weight: why it is left out} for those that cannot take one
+    Hessian (called more than once, or never). `canonical` maps mlx names to canonical ones."""
+    prefix = runner.slots[i].prefix
+    probes: dict[str, _Probe] = {}
+    calls: list[_Probe] = []
+    for path, module in runner.block(i).named_modules():
+        name = canonical.get(f"{prefix}{path}.weight")
+        if isinstance(module, COMPENSATED_TYPES) and name is not None and wanted(name):
+            probes[prefix + path] = _Probe(module, calls)
+    for path, probe in probes.items():
+        replace_module(runner.model, path, probe)
+    try:
+        runner.forward(i, 0, runner.hidden[0])  # the graph only: nothing is computed
+    finally:
+        for path, probe in probes.items():
+            replace_module(runner.model, path, probe.inner)
+    readers: dict[int, list[str]] = {}
+    left_out: dict[str, str] = {}
+    first_call = {id(p): k for k, p in reversed(list(enumerate(calls)))}
+    for path, probe in sorted(probes.items(), key=lambda p: first_call.get(id(p[1]), len(calls))):
+        name = canonical[f"{path}.weight"]
+        if len(probe._squish_inputs) != 1:
+            left_out[name] = (f"called {len(probe._squish_inputs)} times a forward pass: no single input to "
+                              "compensate on")
+            continue
+        readers.setdefault(id(probe._squish_inputs[0]), []).append(path)
+    groups = []
+    for paths in readers.values():
+        members = tuple(canonical[f"{p}.weight"] for p in paths)
+        experts = isinstance(module_at(runner.model, paths[0]), SwitchLinear)
+        groups.append(ScaleGroup(f"{members[0].removesuffix('.weight')}:input", "experts" if experts else "linears",
+                                 i, paths[0], members, ()))
+    return groups, left_out
+
+
+
+def vocabulary(model: nn.Module, canonical: dict[str, str]) -> tuple[str | None, ScaleGroup | None]:
+    """The canonical weight of the model's token embedding, and its output head as a group whose input
+    `stats.record_head` records (the head's own linear outside the blocks, or, tied, the embedding whose
+    `as_linear` the model calls); None for what the model does not have."""
+    vocab = {n.removesuffix(".weight"): module_at(model, n.removesuffix(".weight")) for n in embedding_weights(model)}
+    embeddings = [p for p, m in vocab.items() if isinstance(m, nn.Embedding)]
+    heads = [p for p, m in vocab.items() if isinstance(m, nn.Linear)]
+    embedding = canonical.get(f"{embeddings[0]}.weight") if len(embeddings) == 1 else None
+    head_path = heads[0] if len(heads) == 1 else embeddings[0] if len(embeddings) == 1 and not heads else None
+    if head_path is None or f"{head_path}.weight" not in canonical:
+        return embedding, None
+    return embedding, ScaleGroup("head", "head", -1, head_path, (canonical[f"{head_path}.weight"],), ())

@@ -1,0 +1,141 @@
+"""GPTQ on every architecture the block runner runs, found from the model: the linears grouped by the input they
+read, expert stacks GPTQ'd expert by expert on the rows routed to each, the output head found from the model.
+The quality against mlx_lm's GPTQ, family by family, is measured by benchmarks/bench_families.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support.arch_sweep import HAND
+from support.tiny_models import TINY_CONFIGS, make_hf_model
+
+import squishlike
+from squishlike import calibration as calibrate, quant
+from squishlike.calibration.gptq import EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
+from squishlike.calibration.linears import input_groups, vocabulary
+from squishlike.calibration.quantizer import Quantizer
+from squishlike.calibration.stats import record, record_head, sample_positions
+from squishlike.model import new_model
+from squishlike.npydir import NpyDir
+from squishlike.provider import WeightProvider
+
+CALIB_TOKENS = 512
+
+
+def runner_of(src):
+    provider = WeightProvider.open(src)
+    canonical = {provider.mlx_name(n): n for n in provider.names()}
+    _, tokenizer, _ = provider.build_model()
+    windows = calibrate.calibration_windows(tokenizer, max_tokens=CALIB_TOKENS)
+    runner = calibrate.BlockRunner(new_model(provider.dense_config()), list(canonical),
+                                   lambda names: ((n, provider.get(canonical[n])) for n in names), windows)
+    return runner, canonical
+
+
+def test_linears_are_grouped_by_the_input_they_read(tmp_path, tokenizer_dir):
+    runner, canonical = runner_of(make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir))
+    runner.load(0)
+    groups, left_out = input_groups(runner, 0, canonical, lambda name: True)
+    assert [sorted(g.members) for g in groups] == [
+        ["layers.0.attention.k.weight", "layers.0.attention.q.weight", "layers.0.attention.v.weight"],
+        ["layers.0.attention.output.weight"],
+        ["layers.0.ffn.gate.weight", "layers.0.ffn.up.weight"],
+        ["layers.0.ffn.down.weight"],
+    ]
+    assert {g.kind for g in groups} == {"linears"} and left_out == {}
+
+
+def test_an_expert_stack_is_one_group_recorded_with_each_rows_expert(tmp_path, tokenizer_dir):
+    config = HAND["qwen3_moe"]
+    runner, canonical = runner_of(make_hf_model(tmp_path / "moe", config, tokenizer_dir))
+    runner.load(0)
+    groups, _ = input_groups(runner, 0, canonical, lambda name: True)
+    stacks = [g for g in groups if g.kind == "experts"]
+    assert [sorted(m.rsplit(".", 2)[-2] for m in g.members) for g in stacks] == [["gate_proj", "up_proj"],
+                                                                                  ["down_proj"]]
+    calib, _ = record(runner, 0, stacks, sample_positions(runner.windows, 64))
+    tokens = sum(len(w.tokens) - 1 for w in runner.windows)
+    for g in stacks:  # every routed row is kept, whatever the picks: tokens x experts per token
+        assert len(calib.samples[g.name]) == tokens * config["num_experts_per_tok"]
+        assert calib.experts[g.name].shape == (len(calib.samples[g.name]),)
+        assert set(np.unique(calib.experts[g.name])) == set(range(config["num_experts"]))
+
+
+def test_the_heads_input_is_what_the_model_hands_it(tmp_path, tokenizer_dir):
+    """The head, found from the model (its own linear, or the tied embedding's as_linear), records what the model's
+    tail hands it: for llama, the final norm's output."""
+    for config in (TINY_CONFIGS["llama"], TINY_CONFIGS["qwen2"]):  # own head; tied to the embedding
+        runner, canonical = runner_of(make_hf_model(tmp_path / config["model_type"], config, tokenizer_dir))
+        embedding, head = vocabulary(runner.model, canonical)
+        assert embedding == "token_embedding.weight"
+        assert head.members == ("output.weight" if "lm_head" in head.module else "token_embedding.weight",)
+        for i in range(len(runner)):
+            runner.load(i)
+            runner.hidden = runner.run(i)
+        picks = sample_positions(runner.windows, 10**6)
+        got = record_head(runner, head, picks).samples["head"]
+        norm = runner.module("model.norm")
+        runner._load_outside(runner.vocabulary)
+        want = np.concatenate([np.array(norm(h)).reshape(-1, got.shape[1]) for h in runner.hidden])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rare_expert_is_pooled_with_its_stack():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 64)).astype(np.float32) * np.exp(rng.standard_normal(64)).astype(np.float32)
+    experts = np.where(np.arange(400) < 3, 1, 0)  # expert 1 sees 3 rows, expert 2 none
+    factors = expert_factors(x, experts, 3)
+    mean = mx.array(x.T @ x / len(x))
+    want = {0: inverse_hessian_factor(x[experts == 0]),  # over EXPERT_MIN_ROWS: its own rows alone
+            1: inverse_hessian_factor(x[:3], prior=mean * (EXPERT_MIN_ROWS - 3)),
+            2: inverse_hessian_factor(x[:0], prior=mean * EXPERT_MIN_ROWS)}
+    for e, spans in want.items():
+        np.testing.assert_allclose(factors[e][0].u, spans[0].u, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(factors[1][0].u, inverse_hessian_factor(x[:3])[0].u, atol=1e-3)
+
+
+def test_each_expert_is_compensated_on_its_own_rows():
+    """GPTQ of one expert on the rows routed to it lowers that expert's output error on them below rounding to
+    nearest, and below GPTQ on the whole stack's rows."""
+    rng = np.random.default_rng(1)
+    mixing = [rng.standard_normal((16, 128)) * np.exp(rng.standard_normal(128)) for _ in range(2)]
+    x = np.concatenate([rng.standard_normal((600, 16)) @ m for m in mixing]).astype(np.float32)
+    experts = np.repeat([0, 1], 600)
+    w = (rng.standard_normal((64, 128)) * 0.05).astype(np.float32)
+    qz = Quantizer("int4", 64, "float32", clip_search=True)
+
+    def error(parts, rows):
+        w_hat = quant.dequantize("int4", *parts, group_size=64, scale_dtype="float32", out_dtype="float32")
+        d = rows @ (w - w_hat).T
+        return float(np.sum(d * d))
+
+    own = x[experts == 1]
+    per_expert = error(gptq(w, "float32", qz, expert_factors(x, experts, 2)[1]), own)
+    pooled = error(gptq(w, "float32", qz, inverse_hessian_factor(x)), own)
+    nearest = error(quant.quantize("int4", w, src_dtype="float32", group_size=64, scale_dtype="float32",
+                                   clip_search=True), own)
+    assert per_expert < 0.8 * pooled < 0.8 * nearest
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
+def test_default_compress_gptqs_every_linear_of_a_family_awq_does_not_cover(tmp_path, tokenizer_dir, model_type):
+    config = TINY_CONFIGS.get(model_type) or HAND[model_type]
+    src = make_hf_model(tmp_path / model_type, config, tokenizer_dir, row_spread=1.0)
+    with pytest.warns(UserWarning, match="AWQ scaling skipped"):
+        out = squishlike.compress(src, tmp_path / "int4", scheme="int4", calibration_max_tokens=CALIB_TOKENS)
+    store = NpyDir(out)
+    gptq_record = store.manifest.extra["gptq"]
+    assert gptq_record["applied"] and gptq_record["left_out"] == {}
+    quantized = {n: e for n, e in store.manifest.tensors.items() if e.scheme == "int4"}
+    embedding, _ = vocabulary(new_model(WeightProvider.open(src).dense_config()),
+                              {n: n for n in store.manifest.tensors})
+    # Every int4 tensor but the input embedding (a lookup table, not a linear) is GPTQ'd
+    assert {n for n, e in quantized.items() if "GPTQ" not in e.reason} <= {embedding, "token_embedding.weight"}
+    stacks = {n for n, e in quantized.items() if len(e.shape) == 3}
+    assert {n for n, e in quantized.items() if "GPTQ per expert" in e.reason} == stacks
+    assert sorted(gptq_record.get("experts", {}).get("stacks", [])) == sorted(stacks)
+    if model_type == "qwen3_moe":
+        assert len(stacks) == 3 * config["num_hidden_layers"]
+    model, _ = squishlike.load(out, tier="cold")
+    assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3, 4]])))).item()
