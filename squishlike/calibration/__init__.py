@@ -48,7 +48,7 @@ All forward passes are float32; on Linux CPU preload OpenBLAS for speed (the CLI
 `openblas.reexec_with_openblas`).
 """
 
-from .awq import Transform, add_scales, group_scales, scale_groups, search_awq
+from .awq import Transform, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
 from .gate import int3_gate, store_perplexity
 from .mixed import plan_mixed, tensor_losses
@@ -58,6 +58,6 @@ from .stats import Calibration, ScaleGroup, calibration_windows, record
 
 __all__ = [
     "BlockRunner", "Calibration", "Calibrator", "Plan", "Quantizer", "ScaleGroup", "Transform", "add_scales",
-    "calibration_windows", "group_scales", "int3_gate", "plan_mixed", "record", "scale_groups", "search_awq",
+    "calibration_windows", "fold_groups", "group_scales", "int3_gate", "plan_mixed", "record", "search_awq",
     "store_perplexity", "tensor_losses",
 ]

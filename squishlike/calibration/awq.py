@@ -1,5 +1,5 @@
-"""AWQ-style scaling: which linears share an input and where their scale folds (`scale_groups`), and the
-per-group search of the scale exponent on the calibration samples (`search_awq`)."""
+"""AWQ-style scaling: where the scale of linears that share an input folds, found from the model (`fold_groups`),
+and the per-group search of the scale exponent on the calibration samples (`search_awq`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .blocks import BlockRunner, module_at
+from .linears import probe
 from .products import output_error
 from .quantizer import Quantizer
 from .stats import Calibration, ScaleGroup
@@ -23,40 +25,131 @@ AWQ_SEARCH_ROWS = 128
 # estimate the same error. A 1.5B's gate and up have 8,960 rows each, SmolLM2's 1,536; with 512, SmolLM2's default
 # INT4 store measured KL 0.1817 against 0.1881 with every row (1,024 tokens; mlx_lm 4-bit: 0.4185), in less time.
 AWQ_WEIGHT_ROWS = 512
-AWQ_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FOLD_TOLERANCE = 1e-4  # a fold is exact when the block's output moves by at most this, relative to its largest
 
 
-def _norm_is_plain_rms(model: nn.Module, mlx_name: str) -> bool:
-    module = dict(model.named_modules()).get(mlx_name.removesuffix(".weight"))
-    return type(module) is nn.RMSNorm
+def fold_groups(runner: BlockRunner, i: int, canonical: dict[str, str], readers: Sequence[ScaleGroup], config,
+                verified: dict) -> tuple[list[ScaleGroup], dict[str, str]]:
+    """AWQ's groups of block `i` (loaded): each group of linears that read one input (`readers`, from
+    linears.input_groups) with the tensors 1/s folds into, where a fold leaves the block's function exactly as it
+    was: the norm whose output that input is (its weight, and bias; a norm that scales by 1 + w, Gemma's, folds as
+    (1 + w) / s - 1), or the rows of the linear whose output reaches it through attention or the MLP's gate
+    (v -> o, one scale per kv head under GQA; up -> down). Nothing is assumed from names: each candidate fold is
+    tried on the block with random scales and kept when the block's output does not move (`verified` keeps each
+    verdict for blocks of the same structure). Returns the groups, and {reader group: why 1/s folds nowhere}."""
+    prefix = runner.slots[i].prefix
+    mlx_of = {c: m.removesuffix(".weight") for m, c in canonical.items()}
+    norms = [prefix + path for path, m in runner.block(i).named_modules() if _norm_like(m)]
+    linears = {prefix + path: m for path, m in runner.block(i).named_modules() if type(m) is nn.Linear}
+    candidates = [g for g in readers if g.kind == "linears"]
+    probes, _ = probe(runner, i, [*norms, *(g.module for g in candidates)])
+    made_by = {id(p._squish_outputs[0]): path for path, p in probes.items()
+               if path in norms and len(p._squish_outputs) == 1}
+    groups, why_not = [], {_name(g): "an expert stack: not scaled" for g in readers if g.kind != "linears"}
+    for g in candidates:
+        members = [mlx_of[m] for m in g.members]
+        reads = probes[g.module]._squish_inputs[0]
+        width = reads.shape[-1]
+        if id(reads) in made_by:
+            options = [(made_by[id(reads)], None, None)]
+        else:  # the output of attention or of a product: rows of a linear (or a slice of a fused one's rows)
+            options = [option for path, m in linears.items() if path not in members
+                       for option in _row_folds(path, m.weight.shape[0], width, config)]
+        found = next((o for o in options if _exact(runner, i, members, *o, verified)), None)
+        if found is None:
+            why_not[_name(g)] = "no module whose output it reads takes 1/s exactly"
+            continue
+        path, tie, rows = found
+        module = module_at(runner.model, path)
+        folds = tuple(canonical[f"{path}.{k}"] for k in ("weight", "bias") if f"{path}.{k}" in canonical)
+        norm = path in norms
+        groups.append(ScaleGroup(_name(g), "norm" if norm else "rows", i, g.module,
+                                 g.members, folds, tie, offset=_weight_offset(module) if norm else 0.0,
+                                 fold_rows=rows))
+    return groups, why_not
 
 
-def scale_groups(model: nn.Module, provider) -> tuple[list[ScaleGroup], str | None]:
-    """The AWQ groups of a decoder model, or ([], why not) when its architecture is not supported."""
-    config = provider.config
-    if config.model_type not in AWQ_MODEL_TYPES:
-        return [], f"model type {config.model_type!r} is not one AWQ scaling supports ({', '.join(AWQ_MODEL_TYPES)})"
-    heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    head_dim = config.head_dim or config.hidden_size // heads
-    groups = []
-    for n in range(config.num_hidden_layers):
-        p = f"layers.{n}."
-        a, f = p + "attention.", p + "ffn."
-        specs = [
-            ("attn", (a + "q.weight", a + "k.weight", a + "v.weight"), (p + "attention_norm.weight",), None),
-            ("o", (a + "output.weight",), (a + "v.weight", a + "v.bias"), (heads, kv, head_dim)),
-            ("mlp", (f + "gate.weight", f + "up.weight"), (p + "ffn_norm.weight",), None),
-            ("down", (f + "down.weight",), (f + "up.weight", f + "up.bias"), None),
-        ]
-        for kind, members, folds, tie in specs:
-            if not all(provider.has(m) for m in members):
-                return [], f"layer {n} has no {kind} group ({', '.join(members)})"
-            folds = tuple(x for x in folds if provider.has(x))
-            if kind in ("attn", "mlp") and not _norm_is_plain_rms(model, provider.mlx_name(folds[0])):
-                return [], f"{folds[0]} is not a plain RMSNorm; folding a scale into it would not be exact"
-            module = provider.mlx_name(members[0]).removesuffix(".weight")
-            groups.append(ScaleGroup(f"{p}{kind}", kind, n, module, members, folds, tie))
-    return groups, None
+def _name(readers: ScaleGroup) -> str:
+    """An AWQ group's name: its first linear's ("layers.3.attention.q")."""
+    return readers.members[0].removesuffix(".weight")
+
+
+def _norm_like(module: nn.Module) -> bool:
+    weight = module.get("weight")
+    return (isinstance(weight, mx.array) and weight.ndim == 1
+            and not isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear)))
+
+
+def _row_folds(path: str, rows: int, width: int, config) -> list[tuple[str, tuple | None, tuple | None]]:
+    """The folds into the rows of linear `path` (`rows` rows) that could feed an input `width` wide: one row per
+    column, or, under GQA, one row per kv head's column (each read by heads / kv query heads), at each offset of
+    a fused projection's rows (phi3's qkv_proj, gate_up_proj): (path, tie, (first row, rows) or None)."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    ties: dict[int, tuple | None] = {width: None}
+    if heads and kv and heads % kv == 0 and heads != kv and width % heads == 0:
+        ties[width * kv // heads] = (heads, kv, width // heads)
+    return [(path, tie, None if n == rows else (first, rows)) for n, tie in ties.items() if rows % n == 0
+            for first in range(0, rows, n)]
+
+
+def _weight_offset(norm: nn.Module) -> float:
+    """The offset o of a norm that computes normalized(x) * (weight + o) (+ bias): 0 for most, 1 for Gemma's."""
+    saved = {k: norm[k] for k in ("weight", "bias") if k in norm}
+    x = mx.random.normal((4, norm.weight.shape[0]), key=mx.random.key(0))
+    try:
+        if "bias" in saved:
+            norm.bias = mx.zeros_like(saved["bias"])
+        norm.weight = mx.zeros_like(saved["weight"])
+        at_zero = norm(x)
+        norm.weight = mx.ones_like(saved["weight"])
+        unit = norm(x) - at_zero  # normalized(x)
+    finally:
+        norm.update(saved)
+    return round(mx.sum(at_zero * unit).item() / max(mx.sum(unit * unit).item(), 1e-30), 6)
+
+
+def _exact(runner: BlockRunner, i: int, members: list[str], producer: str, tie, rows, verified: dict) -> bool:
+    """Whether folding 1/s into `producer` (a norm, or a linear's rows, or a slice of them, `rows`, tied by `tie`)
+    and s into the columns of `members` (mlx module paths) leaves block `i`'s output as it was, for random s."""
+    prefix = runner.slots[i].prefix
+    key = (type(runner.block(i)).__name__, tuple(m.removeprefix(prefix) for m in members),
+           producer.removeprefix(prefix), tie, rows)
+    if key not in verified:
+        verified[key] = _try_fold(runner, i, members, producer, tie, rows)
+    return verified[key]
+
+
+def _try_fold(runner: BlockRunner, i: int, members: list[str], producer: str, tie, rows) -> bool:
+    readers = [module_at(runner.model, m) for m in members]
+    fold = module_at(runner.model, producer)
+    width = readers[0].weight.shape[-1]
+    n = width if tie is None else width * tie[1] // tie[0]
+    s = mx.exp(mx.random.uniform(-0.7, 0.7, (n,), key=mx.random.key(1)))
+    cols = s if tie is None else mx.repeat(s.reshape(tie[1], 1, tie[2]), tie[0] // tie[1], axis=1).reshape(-1)
+    if rows is not None:  # a slice of a fused producer's rows: the others keep their scale
+        s = mx.concatenate([mx.ones(rows[0]), s, mx.ones(rows[1] - rows[0] - n)])
+    saved = [(m, {"weight": m.weight}) for m in readers]
+    saved.append((fold, {k: fold[k] for k in ("weight", "bias") if k in fold}))
+    before = runner.forward(i, 0, runner.hidden[0])
+    runner.evaluate(i, [before])
+    try:
+        for m in readers:
+            m.weight = m.weight * cols[None, :]
+        if fold.weight.ndim == 1:  # a norm
+            offset = _weight_offset(fold)
+            fold.weight = (fold.weight + offset) / s - offset
+        else:
+            fold.weight = fold.weight / s[:, None]
+        if "bias" in fold:
+            fold.bias = fold.bias / s
+        after = runner.forward(i, 0, runner.hidden[0])
+        runner.evaluate(i, [after])
+    except (ValueError, TypeError):  # shapes that do not fit: no fold
+        return False
+    finally:
+        for m, params in saved:
+            m.update(params)
+    return mx.abs(after - before).max().item() <= FOLD_TOLERANCE * max(mx.abs(before).max().item(), 1e-30)
 
 
 @dataclass
@@ -65,6 +158,8 @@ class Transform:
 
     col: dict[str, np.ndarray] = field(default_factory=dict)
     row: dict[str, np.ndarray] = field(default_factory=dict)
+    offset: dict[str, float] = field(default_factory=dict)  # a norm weight w that scales by (w + offset): its
+    # row division is (w + offset) / r - offset
 
     def touches(self, name: str) -> bool:
         return name in self.col or name in self.row
@@ -73,8 +168,8 @@ class Transform:
         """`w` (float32) rewritten; a new float32 array."""
         w = np.asarray(w, dtype=np.float32)
         if name in self.row:
-            r = self.row[name]
-            w = w / (r[:, None] if w.ndim == 2 else r)
+            r, offset = self.row[name], self.offset.get(name, 0.0)
+            w = (w + offset) / (r[:, None] if w.ndim == 2 else r) - offset
         if name in self.col:
             w = w * self.col[name][None, :]
         return np.ascontiguousarray(w, dtype=np.float32)
@@ -116,10 +211,15 @@ def group_scales(g: ScaleGroup, abs_mean: np.ndarray, alpha: float) -> tuple[np.
 def add_scales(transform: Transform, g: ScaleGroup, scales: tuple[np.ndarray, np.ndarray]) -> None:
     """Record group `g`'s scaling in `transform` (composing with what is there: v and up are in two groups)."""
     cols, fold = scales
+    if g.fold_rows is not None:  # a slice of a fused producer's rows
+        first, rows = g.fold_rows
+        fold = np.concatenate([np.ones(first, np.float32), fold, np.ones(rows - first - len(fold), np.float32)])
     for m in g.members:
         transform.col[m] = cols if m not in transform.col else transform.col[m] * cols
     for f in g.folds:
         transform.row[f] = fold if f not in transform.row else transform.row[f] * fold
+    if g.offset:
+        transform.offset[g.folds[0]] = g.offset
 
 
 def _rows(w: np.ndarray, most: int) -> np.ndarray:

@@ -20,19 +20,37 @@ from .stats import ScaleGroup, replace_module
 COMPENSATED_TYPES = (nn.Linear, SwitchLinear)  # mlx_lm's GPTQ covers the same two
 
 
-class _Probe(nn.Module):
-    """Stands in for a linear while the block's graph is built: notes each input it is handed."""
+class Probe(nn.Module):
+    """Stands in for a module while the block's graph is built: notes each input it is handed and each output."""
 
     def __init__(self, inner: nn.Module, calls: list):
         super().__init__()
         self.inner = inner
         self._squish_calls = calls  # every probe's, in call order
-        self._squish_inputs: list = []  # the arrays themselves, so that no id is reused while the probes live
+        # The arrays themselves, so that no id is reused while the probes live
+        self._squish_inputs: list = []
+        self._squish_outputs: list = []
 
     def __call__(self, x, *args, **kwargs):
         self._squish_calls.append(self)
         self._squish_inputs.append(x)
-        return self.inner(x, *args, **kwargs)
+        self._squish_outputs.append(self.inner(x, *args, **kwargs))
+        return self._squish_outputs[-1]
+
+
+def probe(runner: BlockRunner, i: int, paths: list[str]) -> tuple[dict[str, Probe], list[Probe]]:
+    """Build block `i`'s graph on its first window (nothing is computed) with a probe on each module of `paths`
+    (mlx paths): the probes, and every call in order."""
+    calls: list[Probe] = []
+    probes = {path: Probe(module_at(runner.model, path), calls) for path in paths}
+    for path, p in probes.items():
+        replace_module(runner.model, path, p)
+    try:
+        runner.forward(i, 0, runner.hidden[0])
+    finally:
+        for path, p in probes.items():
+            replace_module(runner.model, path, p.inner)
+    return probes, calls
 
 
 def input_groups(runner: BlockRunner, i: int, canonical: dict[str, str],
@@ -41,29 +59,19 @@ def input_groups(runner: BlockRunner, i: int, canonical: dict[str, str],
     in the order the block calls them; and {canonical weight: why it is left out} for those that cannot take one
     Hessian (called more than once, or never). `canonical` maps mlx names to canonical ones."""
     prefix = runner.slots[i].prefix
-    probes: dict[str, _Probe] = {}
-    calls: list[_Probe] = []
-    for path, module in runner.block(i).named_modules():
-        name = canonical.get(f"{prefix}{path}.weight")
-        if isinstance(module, COMPENSATED_TYPES) and name is not None and wanted(name):
-            probes[prefix + path] = _Probe(module, calls)
-    for path, probe in probes.items():
-        replace_module(runner.model, path, probe)
-    try:
-        runner.forward(i, 0, runner.hidden[0])  # the graph only: nothing is computed
-    finally:
-        for path, probe in probes.items():
-            replace_module(runner.model, path, probe.inner)
+    paths = [prefix + path for path, module in runner.block(i).named_modules()
+             if isinstance(module, COMPENSATED_TYPES) and (name := canonical.get(f"{prefix}{path}.weight")) is not None
+             and wanted(name)]
+    probes, calls = probe(runner, i, paths)
     readers: dict[int, list[str]] = {}
     left_out: dict[str, str] = {}
     first_call = {id(p): k for k, p in reversed(list(enumerate(calls)))}
-    for path, probe in sorted(probes.items(), key=lambda p: first_call.get(id(p[1]), len(calls))):
+    for path, p in sorted(probes.items(), key=lambda item: first_call.get(id(item[1]), len(calls))):
         name = canonical[f"{path}.weight"]
-        if len(probe._squish_inputs) != 1:
-            left_out[name] = (f"called {len(probe._squish_inputs)} times a forward pass: no single input to "
-                              "compensate on")
+        if len(p._squish_inputs) != 1:
+            left_out[name] = f"called {len(p._squish_inputs)} times a forward pass: no single input to compensate on"
             continue
-        readers.setdefault(id(probe._squish_inputs[0]), []).append(path)
+        readers.setdefault(id(p._squish_inputs[0]), []).append(path)
     groups = []
     for paths in readers.values():
         members = tuple(canonical[f"{p}.weight"] for p in paths)
@@ -71,7 +79,6 @@ def input_groups(runner: BlockRunner, i: int, canonical: dict[str, str],
         groups.append(ScaleGroup(f"{members[0].removesuffix('.weight')}:input", "experts" if experts else "linears",
                                  i, paths[0], members, ()))
     return groups, left_out
-
 
 
 def vocabulary(model: nn.Module, canonical: dict[str, str]) -> tuple[str | None, ScaleGroup | None]:

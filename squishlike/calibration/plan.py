@@ -24,7 +24,7 @@ from ..provider import WeightProvider
 from ..dtypes import NP_STORAGE
 from ..quant.reference import from_float32, to_float32
 from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
-from .awq import AWQ_GRID, ScaleGroup, Transform, add_scales, group_scales, scale_groups, search_awq
+from .awq import AWQ_GRID, ScaleGroup, Transform, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
 from .gptq import DAMPING, EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
 from .linears import input_groups, vocabulary
@@ -192,10 +192,9 @@ class Calibrator:
         # loses more at 2 and 3 bits than it saves (docs/design.md §7.4)
         self.every = sample_positions(self.windows, positions(self.windows))
         self.source = _SourceWeights(provider, self.model, opts, self.plan.runtime)
-        wanted = opts.awq or opts.gptq or opts.mixed_precision > 0
-        self.groups, self.why_not = scale_groups(self.model, provider) if wanted else ([], None)
-        if self.why_not and opts.awq:
-            warnings.warn(f"AWQ scaling skipped: {self.why_not}")
+        self._awq_groups: dict[int, list[ScaleGroup]] = {}  # block -> its AWQ groups (`_block_groups`)
+        self._verified_folds: dict = {}  # awq.fold_groups' verdicts, per block structure
+        self.awq_no_fold: dict[str, str] = {}  # reader group -> why AWQ found no exact fold for it
         self.canonical = {provider.mlx_name(n): n for n in provider.names()}
         self.embedding, self.head = vocabulary(self.model, self.canonical)
         self.awq: dict[str, dict] = {}
@@ -263,6 +262,7 @@ class Calibrator:
         arrays = {f"hidden.{w}": np.array(h) for w, h in enumerate(self.runner.hidden)} if self.runner else {}
         for kind, table in (("col", self.plan.transform.col), ("row", self.plan.transform.row)):
             arrays.update({f"{kind}.{name}": v for name, v in table.items()})
+        arrays.update({f"offset.{name}": np.array(v) for name, v in self.plan.transform.offset.items()})
         return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
                 "expert_stacks": sorted(self.expert_stacks), "gptq_left_out": self.gptq_left_out,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
@@ -279,6 +279,8 @@ class Calibrator:
             kind, _, name = key.partition(".")
             if kind == "hidden":
                 self.runner.hidden[int(name)] = mx.array(value)
+            elif kind == "offset":
+                self.plan.transform.offset[name] = float(value)
             else:
                 getattr(self.plan.transform, kind)[name] = value
 
@@ -287,14 +289,22 @@ class Calibrator:
         self.plan.record["calibration"]["stopped"] = why
         warnings.warn(f"calibration stopped: {why}; the rest is rounded to nearest")
 
-    def _block_groups(self, i: int) -> list[ScaleGroup]:
-        return [g for g in self.groups if g.layer == i] if self.why_not is None else []
+    def _block_groups(self, runner: BlockRunner, i: int) -> list[ScaleGroup]:
+        """Block `i`'s AWQ groups (loaded): found once, from the model (awq.fold_groups)."""
+        if not self.opts.awq:
+            return []
+        if i not in self._awq_groups:
+            readers, _ = input_groups(runner, i, self.canonical, lambda name: True)
+            self._awq_groups[i], no_fold = fold_groups(runner, i, self.canonical, readers, self.provider.config,
+                                                       self._verified_folds)
+            self.awq_no_fold.update(no_fold)
+        return self._awq_groups[i]
 
     def _block(self, runner: BlockRunner, i: int) -> None:
         """Run block `i`; put its AWQ scales and its linears' GPTQ inputs in the plan; its outputs become the next
         block's inputs."""
-        groups = self._block_groups(i)
         runner.load(i)
+        groups = self._block_groups(runner, i)
         compensated = self._input_groups(runner, i, groups) if self.opts.gptq else []
         recorded = [*groups, *(g for g in compensated if g not in groups)]
         calib, runner.hidden = record(runner, i, recorded, self.every if self.opts.gptq else self.picks)
@@ -377,8 +387,9 @@ class Calibrator:
             candidates = self._candidates(runner.block_names[i])
             runner.load(i)
             inputs = runner.hidden
-            calib, runner.hidden = record(runner, i, [*self._block_groups(i), *candidates.values()], self.picks)
-            self._search_awq(self._block_groups(i), calib)
+            groups = self._block_groups(runner, i)
+            calib, runner.hidden = record(runner, i, [*groups, *candidates.values()], self.picks)
+            self._search_awq(groups, calib)
             for name, g in candidates.items():
                 w = self.source.weight(name)
                 shapes[name], quantizers[name] = w.shape, fitting(offered, w.shape[1])
@@ -551,14 +562,15 @@ class Calibrator:
         return record
 
     def _awq_record(self) -> dict[str, Any]:
-        if self.why_not:
-            return {"applied": False, "reason": self.why_not}
         mean_alpha = float(np.mean([r["alpha"] for r in self.awq.values()])) if self.awq else 0.0
         log(f"AWQ: {len(self.awq)} groups, mean alpha {mean_alpha:.2f}")
         return {
             "applied": bool(self.awq),
             "method": "per-input-channel s = mean|x|^alpha, alpha grid-searched per group on calibration "
-            "output error; folded into RMSNorm weights, v rows (o) and up rows (down)",
+            "output error; 1/s folded where the model computes exactly the same function (found by trying it): "
+            "into the norm that produces the group's input, or the rows of the linear that does (v for o, up for "
+            "down)",
             "grid": [*AWQ_GRID, "then best +- 0.05"],
             "groups": self.awq,
+            "no_fold": dict(sorted(self.awq_no_fold.items())),
         }

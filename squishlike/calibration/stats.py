@@ -42,7 +42,8 @@ class ScaleGroup:
     members: tuple[str, ...]  # canonical weights whose columns are multiplied by s
     folds: tuple[str, ...]  # canonical tensors divided by s: a norm weight, or rows (+ bias) of the producer
     tie: tuple[int, int, int] | None = None  # (n_heads, n_kv_heads, head_dim): o's scale shared per kv head
-    records_output: bool = False  # record `module`'s output, not its input (the final norm, for a tied head)
+    offset: float = 0.0  # the fold is a norm computing normalized * (weight + offset): Gemma's 1
+    fold_rows: tuple[int, int] | None = None  # (first row, rows): 1/s folds into a slice of a fused producer's rows
 
 
 class _Sink:
@@ -87,21 +88,16 @@ class _ExpertSink(_Sink):
 
 
 class _Recorder(nn.Module):
-    """Wraps a module; records its input (or its output) into a sink. Adds no parameters of its own."""
+    """Wraps a module; records its input into a sink. Adds no parameters of its own."""
 
-    def __init__(self, inner: nn.Module, sink: _Sink, output: bool):
+    def __init__(self, inner: nn.Module, sink: _Sink):
         super().__init__()
         self.inner = inner
         self._squish_sink = sink
-        self._squish_output = output
 
     def __call__(self, x, *args, **kwargs):
-        if not self._squish_output:
-            self._squish_sink.add(x, *args, **kwargs)
-        y = self.inner(x, *args, **kwargs)
-        if self._squish_output:
-            self._squish_sink.add(y)
-        return y
+        self._squish_sink.add(x, *args, **kwargs)
+        return self.inner(x, *args, **kwargs)
 
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
@@ -160,7 +156,7 @@ def record(runner: BlockRunner, block: int, groups: Sequence[ScaleGroup], picks:
     # AWQ's q, k, v group read q's input), whose recorders then wrap each other and must come off in reverse
     try:
         for g in groups:
-            recorder = _Recorder(module_at(runner.model, g.module), sinks[g.name], g.records_output)
+            recorder = _Recorder(module_at(runner.model, g.module), sinks[g.name])
             originals.append((g.module, replace_module(runner.model, g.module, recorder)))
         outputs = []
         for w, (h, pick) in enumerate(zip(runner.hidden if hidden is None else hidden, picks)):
@@ -184,7 +180,7 @@ def record_head(runner: BlockRunner, group: ScaleGroup, picks: Sequence[mx.array
     if tied:  # the model calls the embedding's as_linear: an attribute of the instance shadows the method
         object.__setattr__(module, "as_linear", lambda x: (sink.add(x), type(module).as_linear(module, x))[1])
     else:
-        replace_module(runner.model, group.module, _Recorder(module, sink, False))
+        replace_module(runner.model, group.module, _Recorder(module, sink))
     try:
         for h, window, pick in zip(runner.hidden, runner.windows, picks):
             sink.pick = pick

@@ -22,6 +22,7 @@ from squishlike import calibration as calibrate
 from mlx.utils import tree_flatten
 from support.arch_sweep import ARCH_CONFIGS
 
+from squishlike.calibration.linears import input_groups
 from squishlike.calibration.stats import sample_positions
 from squishlike.errors import AccuracyGateError, TierNotReadyError
 from squishlike.evaluation import prepare_for_eval
@@ -58,21 +59,6 @@ def float_model(provider):
 def source_weights(provider):
     canonical = {provider.mlx_name(n): n for n in provider.names()}
     return list(canonical), lambda names: ((n, provider.get(canonical[n])) for n in names)
-
-
-def block_statistics(provider, tokenizer, groups, samples):
-    """Every group's calibration statistics, gathered one block at a time as compress gathers them."""
-    windows = calibrate.calibration_windows(tokenizer, max_tokens=CALIB_TOKENS)
-    runner = calibrate.BlockRunner(new_model(provider.dense_config()), *source_weights(provider), windows)
-    picks = sample_positions(windows, samples)
-    abs_mean, rows = {}, {}
-    for i in range(len(runner)):
-        runner.load(i)
-        calib, runner.hidden = calibrate.record(runner, i, [g for g in groups if g.layer == i], picks)
-        runner.release(i)
-        abs_mean.update(calib.abs_mean)
-        rows.update(calib.samples)
-    return calibrate.Calibration(abs_mean, rows)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
@@ -125,33 +111,48 @@ def test_a_model_whose_layers_cannot_run_alone_is_compressed_uncalibrated(tmp_pa
     squishlike.load(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_awq_fold_is_exact_in_float(tmp_path, tokenizer_dir, arch):
-    """Scaling columns and folding 1/s into the norms, v rows (GQA-tied) and up rows changes nothing in float."""
-    src = make_hf_model(tmp_path / arch, TINY_CONFIGS[arch], tokenizer_dir)
+# model type -> (AWQ groups a layer, readers a layer with no exact fold). phi: attention and MLP read one LayerNorm
+# (with bias), dense folds into v, fc2 reads a GELU. gpt2: c_attn (q, k, v fused) and c_fc read LayerNorms, the
+# attention's c_proj folds into c_attn's last third of rows, the MLP's reads a GELU. phi3: qkv_proj and gate_up_proj
+# are fused, o and down fold into their slices. gemma3: norms that scale by 1 + w.
+FOLDS = {"llama": (4, 0), "qwen2": (4, 0), "qwen3": (4, 0), "gemma3_text": (4, 0), "phi": (2, 1), "gpt2": (3, 1),
+         "phi3": (4, 0)}
+
+
+@pytest.mark.parametrize("arch", sorted(FOLDS))
+def test_awq_folds_found_from_the_model_are_exact_in_float(tmp_path, tokenizer_dir, arch):
+    """The folds AWQ finds by trying them (awq.fold_groups): scaling columns and folding 1/s into the norms (their
+    bias too; (1 + w) for Gemma's), v rows (GQA-tied) and up rows changes nothing in float, at alpha = 1."""
+    config = TINY_CONFIGS.get(arch) or ARCH_CONFIGS[arch]
+    src = make_hf_model(tmp_path / arch, config, tokenizer_dir)
     with WeightProvider.open(src) as provider:
         model, tokenizer = float_model(provider)
-        groups, why_not = calibrate.scale_groups(model, provider)
-        assert why_not is None and len(groups) == 4 * TINY_CONFIGS[arch]["num_hidden_layers"]
-        calib = block_statistics(provider, tokenizer, groups, samples=64)
-        assert calib.samples["layers.0.down"].shape == (64, TINY_CONFIGS[arch]["intermediate_size"])
-        transform = calibrate.Transform()
-        for g in groups:  # alpha = 1: the strongest scaling the search can pick
-            calibrate.add_scales(transform, g, calibrate.group_scales(g, calib.abs_mean[g.name], 1.0))
+        names, weights = source_weights(provider)
+        canonical = {provider.mlx_name(n): n for n in provider.names()}
+        windows = calibrate.calibration_windows(tokenizer, max_tokens=CALIB_TOKENS)
+        runner = calibrate.BlockRunner(new_model(provider.dense_config()), names, weights, windows)
+        transform, verified, layers = calibrate.Transform(), {}, len(runner)
+        for i in range(layers):
+            runner.load(i)
+            readers, _ = input_groups(runner, i, canonical, lambda name: True)
+            groups, no_fold = calibrate.fold_groups(runner, i, canonical, readers, provider.config, verified)
+            assert (len(groups), len(no_fold)) == FOLDS[arch], (groups, no_fold)
+            calib, runner.hidden = calibrate.record(runner, i, groups, sample_positions(windows, 64))
+            for g in groups:  # alpha = 1: the strongest scaling the search can pick
+                calibrate.add_scales(transform, g, calibrate.group_scales(g, calib.abs_mean[g.name], 1.0))
+            runner.release(i)
         spread = max(float(s.max() / s.min()) for s in transform.col.values())
         assert spread > 2.0  # a real rescaling, not the identity
-        assert "layers.0.attention.v.weight" in transform.row and "layers.0.ffn.up.weight" in transform.row
         folded, _ = float_model(provider)
         folded.load_weights([
             (provider.mlx_name(n), mx.array(transform.apply(n, np.array(provider.get(n), np.float32))))
             for n in provider.names()
         ])
-        if arch == "qwen2":  # v bias folds with the v rows
-            assert "layers.0.attention.v.bias" in transform.row
     a, b = logits(model, TOKENS), logits(folded, TOKENS)
     assert mx.abs(a - b).max().item() <= 1e-4 * max(1.0, mx.abs(a).max().item())
-    folded_norm = np.array(folded.model.layers[0].input_layernorm.weight)
-    assert not np.allclose(folded_norm, np.array(model.model.layers[0].input_layernorm.weight))  # 1/s lives there
+    before, after = (dict(tree_flatten(m.parameters())) for m in (model, folded))
+    norms = [n for n in before if n.endswith("layers.0.input_layernorm.weight") or n.endswith("h.0.ln_1.weight")]
+    assert norms and not np.allclose(np.array(before[norms[0]]), np.array(after[norms[0]]))  # 1/s lives there
 
 
 @pytest.mark.parametrize("fmt,scheme,native", [("int4", "int4", "int4"), ("int8", "int8g", "int8")])
@@ -277,9 +278,18 @@ def test_cli_int3_gate_failure_exits_1_and_names_the_options(tiny_llama, tmp_pat
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["first", "llama"]
 
 
-def test_awq_skipped_for_an_unsupported_family(tmp_path, tokenizer_dir):
-    src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
-    with pytest.warns(UserWarning, match="AWQ scaling skipped"):
-        out = squishlike.compress(src, tmp_path / "g4", scheme="int4", awq=True, calibration_max_tokens=256)
+def test_awq_scales_a_family_outside_the_rule_tables(tmp_path, tokenizer_dir):
+    """phi3 (mlx_lm's names, fused qkv and gate_up projections): AWQ folds found from the model, applied; a MoE's
+    groups without a fold are named, with why."""
+    src = make_hf_model(tmp_path / "phi3", ARCH_CONFIGS["phi3"], tokenizer_dir)
+    out = squishlike.compress(src, tmp_path / "p4", scheme="int4", calibration_max_tokens=CALIB_TOKENS)
     awq = NpyDir(out).manifest.extra["awq"]
-    assert awq["applied"] is False and "gemma3_text" in awq["reason"]
+    assert awq["applied"] and len(awq["groups"]) == 4 * ARCH_CONFIGS["phi3"]["num_hidden_layers"]
+    assert awq["no_fold"] == {}
+    moe = make_hf_model(tmp_path / "moe", ARCH_CONFIGS["qwen3_moe"], tokenizer_dir)
+    out = squishlike.compress(moe, tmp_path / "m4", scheme="int4", calibration_max_tokens=CALIB_TOKENS)
+    awq = NpyDir(out).manifest.extra["awq"]
+    # The router reads the MoE block's norm, which the expert stacks read too: no fold into it is exact
+    assert awq["applied"] and {n.rsplit(".", 1)[-1]: why for n, why in awq["no_fold"].items()} == {
+        "gate": "no module whose output it reads takes 1/s exactly", "up_proj": "an expert stack: not scaled",
+        "down_proj": "an expert stack: not scaled"}
