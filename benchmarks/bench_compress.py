@@ -8,11 +8,13 @@ directory with the exact shapes of a 1.5B Qwen2 and random bf16 weights (`qwen1.
 shapes, not values); the same width at 7, 14 and 28 layers (`depth`: whether the default compress's peak memory
 grows with depth; target: within 1.25x of each other); and Qwen2.5-7B's shapes (`qwen7b`, 15 GB of bf16: the
 default compress with --calibration-tokens 2048 on a 24 GB machine, peak RSS <= 6 GB, then a load and a
-generated token). Every figure is its own fresh process (OpenBLAS preloaded, as the CLI does, for all of them),
+generated token); and Qwen1.5-MoE-A2.7B's (`qwen-moe`, 28.6 GB of bf16, 60 experts a layer, each its own tensor
+in the source: the same, every expert stack GPTQ'd expert by expert). Every figure is its own fresh process (OpenBLAS preloaded, as the CLI does, for all of them),
 timed around the call alone (imports excluded); memory is the process's peak RSS, and its peak above its RSS once
 imports are done.
 
-    python -m benchmarks.bench_compress [--model smollm|qwen1.5b|depth|qwen7b] [--methods default,rtn,...] [--runs N]
+    python -m benchmarks.bench_compress [--model smollm|qwen1.5b|depth|qwen7b|qwen-moe] [--methods default,...]
+                                        [--runs N]
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def measure(method: str, src: Path, out: Path, options: dict | None = None) -> d
 
 
 def sources(model: str, workdir: Path) -> dict[str, Path]:
-    from benchmarks.loadbench.models import QWEN_1_5B, QWEN_7B, build_qwen_like, build_smollm_source
+    from benchmarks.loadbench.models import QWEN_1_5B, QWEN_7B, QWEN_MOE_A2_7B, build_qwen_like, build_smollm_source
 
     try:
         smollm = build_smollm_source(workdir / "smollm2-135m-bf16")
@@ -117,6 +119,8 @@ def sources(model: str, workdir: Path) -> dict[str, Path]:
         return {"qwen1.5b": build_qwen_like(workdir / "qwen2-1.5b-shaped-bf16", smollm)}
     if model == "qwen7b":
         return {"qwen7b": build_qwen_like(workdir / "qwen2.5-7b-shaped-bf16", smollm, QWEN_7B)}
+    if model == "qwen-moe":
+        return {"qwen-moe": build_qwen_like(workdir / "qwen1.5-moe-a2.7b-shaped-bf16", smollm, QWEN_MOE_A2_7B)}
     return {f"{n} layers": build_qwen_like(workdir / f"qwen2-1.5b-width-{n}-layers", smollm,
                                            {**QWEN_1_5B, "num_hidden_layers": n, "max_window_layers": n})
             for n in (7, 14, 28)}
@@ -145,7 +149,7 @@ def run_figures(methods: list[str], src: Path, out: Path, runs: int, options: di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_compress", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("smollm", "qwen1.5b", "depth", "qwen7b"), default="smollm")
+    parser.add_argument("--model", choices=("smollm", "qwen1.5b", "depth", "qwen7b", "qwen-moe"), default="smollm")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {','.join(METHODS)}")
     parser.add_argument("--runs", type=int, default=1, help="runs per figure (the median is reported)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/squishlike-bench-compress"))
@@ -171,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         table(figures, "7 layers")
         print(f"\npeak RSS, largest over smallest: {max(peaks) / min(peaks):.2f}x (target <= 1.25x)")
         results["figures"] = figures
-    elif args.model == "qwen7b":
+    elif args.model in ("qwen7b", "qwen-moe"):
         [src] = sources(args.model, args.workdir).values()
         figures = run_figures(["default"], src, out, 1, {"calibration_max_tokens": 2048, "generate": True})
         fig = figures["default"]
-        print(f"\nQwen2.5-7B shapes ({src}): default INT4 compress with calibration_max_tokens=2048 in "
+        shapes = "Qwen2.5-7B" if args.model == "qwen7b" else "Qwen1.5-MoE-A2.7B"
+        print(f"\n{shapes} shapes ({src}): default INT4 compress with calibration_max_tokens=2048 in "
               f"{fig['seconds']:.0f} s, peak RSS {fig['rss_peak'] / 1e9:.2f} GB (target <= 6 GB); then loaded and "
               f"generated {fig['runs'][0]['generated']!r}")
         results["figures"] = figures

@@ -22,6 +22,14 @@ QWEN_1_5B = {
 # Qwen2.5-7B's shapes (the most common size on a 16 GB Mac): 7.6 B parameters, 15.2 GB of bf16, head untied.
 QWEN_7B = {**QWEN_1_5B, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
            "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False, "max_window_layers": 28}
+# Qwen1.5-MoE-A2.7B's shapes: 14.3 B parameters (60 experts of 1,408 columns a layer, 4 routed a token, and a
+# shared expert), 28.6 GB of bf16, the experts one tensor each as in its HF checkpoint.
+QWEN_MOE_A2_7B = {**QWEN_1_5B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                  "hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 5632, "num_attention_heads": 16,
+                  "num_key_value_heads": 16, "tie_word_embeddings": False, "max_window_layers": 21,
+                  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "norm_topk_prob": False,
+                  "mlp_only_layers": []}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -37,12 +45,23 @@ def _qwen_tensors(c: dict):
             yield p + f"self_attn.{proj}_proj.bias", (rows,)
         yield p + "self_attn.o_proj.weight", (h, h)
         yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "mlp.gate_proj.weight", (inter, h)
-        yield p + "mlp.up_proj.weight", (inter, h)
-        yield p + "mlp.down_proj.weight", (h, inter)
+        if "num_experts" in c:  # qwen2_moe: routed experts, a shared expert and its gate
+            yield p + "mlp.gate.weight", (c["num_experts"], h)
+            for e in range(c["num_experts"]):
+                yield from _mlp(f"{p}mlp.experts.{e}.", h, c["moe_intermediate_size"])
+            yield from _mlp(f"{p}mlp.shared_expert.", h, c["shared_expert_intermediate_size"])
+            yield p + "mlp.shared_expert_gate.weight", (1, h)
+        else:
+            yield from _mlp(f"{p}mlp.", h, inter)
     yield "model.norm.weight", (h,)
     if not c.get("tie_word_embeddings", True):
         yield "lm_head.weight", (c["vocab_size"], h)
+
+
+def _mlp(prefix: str, h: int, inter: int):
+    yield prefix + "gate_proj.weight", (inter, h)
+    yield prefix + "up_proj.weight", (inter, h)
+    yield prefix + "down_proj.weight", (h, inter)
 
 
 def _built(dest: Path) -> bool:

@@ -52,7 +52,8 @@ from .awq import Transform, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
 from .gate import int3_gate, store_perplexity
 from .mixed import plan_mixed, tensor_losses
-from .plan import Calibrator, Plan
+from .decision import Plan
+from .plan import Calibrator
 from .quantizer import Quantizer
 from .stats import Calibration, ScaleGroup, calibration_windows, record
 

@@ -15,7 +15,7 @@ from ..npydir import NpyDir
 from ..provider import WeightProvider
 from ..tiers.base import mlx_names
 from .blocks import BlockRunner
-from .plan import Plan
+from .decision import Plan
 from .stats import CALIBRATION_TEXT, calibration_windows, log
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,11 @@ from ..npydir import MANIFEST, NpyDir, TensorEntry, source_fingerprint
 from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
 from ..dtypes import NP_STORAGE
-from ..quant.reference import from_float32, to_float32
 from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
-from .awq import AWQ_GRID, ScaleGroup, Transform, add_scales, fold_groups, group_scales, search_awq
+from .awq import AWQ_GRID, ScaleGroup, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
-from .gptq import DAMPING, EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
+from .decision import Plan
+from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
@@ -34,98 +33,7 @@ from .stats import (Calibration, calibration_windows, log, positions, record, re
                     thinned)
 
 
-GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
-GPTQ_EXPERTS_REASON = "; GPTQ per expert (each expert's rounding errors compensated on the rows routed to it)"
 PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
-
-
-@dataclass
-class Plan:
-    """What calibration decided, for `compress` to apply as it streams the tensors."""
-
-    transform: Transform = field(default_factory=Transform)
-    promote: dict[str, str] = field(default_factory=dict)  # name -> scheme
-    group_sizes: dict[str, int] = field(default_factory=dict)  # name -> the group size planned with its scheme
-    promoted_by: str = "mixed precision"  # what chose the schemes of `promote`, for the manifest's reasons
-    reference_ppl: float | None = None
-    record: dict[str, Any] = field(default_factory=dict)  # manifest keys
-    runtime: str = "float32"  # the store's runtime dtype
-    # linear -> (its input group, the group's calibration inputs, for an expert stack the expert of each row), for GPTQ
-    inputs: dict[str, tuple[str, np.ndarray, np.ndarray | None]] = field(default_factory=dict)
-    quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
-    # The store another size's widths were planned from (`sensitivity_from`), and its entries of the tensors it
-    # holds as this compress writes them (`Calibrator._unchanged`): compress copies their parts.
-    earlier: NpyDir | None = None
-    unchanged: dict[str, TensorEntry] = field(default_factory=dict)
-    # The latest group's inverse-Hessian factor (an expert stack's: one per expert), shared by the linears that read
-    # one input (q, k, v; gate, up), which compress reaches one after another; keyed by the group and the AWQ scale
-    # its inputs were divided by. Only one is kept: a wide one (down's) is hundreds of MB.
-    _factor: tuple[tuple[str, int], list] | None = field(default=None, init=False, repr=False)
-
-    def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
-        """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
-        exact by mixed precision is held in the runtime dtype: what the runtime sees, and what the budget counted."""
-        if self.rewrites(name):
-            array, src_dtype = self.transform.apply(name, to_float32(array, src_dtype)), "float32"
-        if self.promote.get(name) == "passthrough" and src_dtype != self.runtime:
-            array, src_dtype = from_float32(to_float32(array, src_dtype), self.runtime), self.runtime
-        return array, src_dtype
-
-    def quantize(self, name: str, array: np.ndarray, src_dtype: str, scheme: str) -> tuple[np.ndarray, ...] | None:
-        """The parts of `name` (as `apply` returned it) quantized by GPTQ on its calibration inputs, when GPTQ was
-        asked for and the tensor keeps the store's scheme; else None (compress rounds it to nearest). An expert
-        stack ([experts, out, in]) is GPTQ'd expert by expert, each on its own Hessian (`expert_factors`)."""
-        if not self.compensates(name, scheme):
-            return None
-        qz = self.quantizers[name]
-        group, x, experts = self.inputs[name]
-        scale = self.transform.col.get(name)
-        if self._factor is None or self._factor[0] != (group, id(scale)):
-            if scale is not None:  # AWQ multiplied the weight's columns by s: its inputs are divided by s
-                x = x / scale[None, :]
-            factor = inverse_hessian_factor(x) if experts is None else expert_factors(x, experts, array.shape[0])
-            self._factor = (group, id(scale)), factor
-        if experts is None:
-            return gptq(array.reshape(array.shape[0], -1), src_dtype, qz, self._factor[1])
-        parts = [gptq(array[e], src_dtype, qz, f) for e, f in enumerate(self._factor[1])]
-        return tuple(np.concatenate(p) for p in zip(*parts))
-
-    def compensation(self, name: str) -> str:
-        """What ends the manifest reason of a tensor `quantize` GPTQs."""
-        return GPTQ_EXPERTS_REASON if self.inputs[name][2] is not None else GPTQ_REASON
-
-    def compensates(self, name: str, scheme: str) -> bool:
-        """Whether `quantize` GPTQs `name` at `scheme` (it has the inputs and the quantizer of that scheme)."""
-        qz = self.quantizers.get(name)
-        return qz is not None and name in self.inputs and scheme == qz.scheme
-
-    def unchanged_parts(self, name: str) -> tuple[TensorEntry, dict[str, np.ndarray]] | None:
-        """The entry and parts of `name` in the store the widths were planned from, when it holds `name` as this
-        compress would write it (`unchanged`); else None."""
-        entry = self.unchanged.get(name)
-        if entry is None:
-            return None
-        return entry, {suffix: self.earlier.load_part(name, suffix) for suffix in entry.kind.suffixes}
-
-    def rewrites(self, name: str) -> bool:
-        """Whether `apply` changes the values of `name` (AWQ scaling): a source's own quantized values then no
-        longer hold them."""
-        return self.transform.touches(name)
-
-    def group_size(self, name: str, default: int) -> int:
-        """The group size `name` is stored with: the one planned with its width, else `default` (the store's)."""
-        return self.group_sizes.get(name, default)
-
-    def sized(self, name: str) -> bool:
-        """Whether a size target (bits per weight) planned the width of `name`."""
-        return name in self.promote and "bpw" in self.record
-
-    def scheme(self, name: str, scheme: str, reason: str) -> tuple[str, str]:
-        if scheme != "passthrough" and name in self.promote:
-            kept = self.promote[name]
-            what = "exact (runtime dtype)" if kept == "passthrough" else f"at {kept}"
-            return kept, f"{self.promoted_by}: kept {what} (measured sensitivity)"
-        return scheme, reason
 
 
 class _SourceWeights:

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 import squishlike
 from squishlike.calibration.stats import ScaleGroup, record
-from squishlike.calibration.plan import GPTQ_REASON
+from squishlike.calibration.decision import GPTQ_REASON
 from squishlike.errors import BudgetError, FormatError, IntegrityError
 from squishlike.npydir import NpyDir
 from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
