@@ -17,6 +17,7 @@ The math runs on MLX's default device: the GPU where there is one (Metal, CUDA),
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -210,7 +211,7 @@ class BlockRunner:
         self.rest = capture.rest or ()  # what the blocks hand back beside the hidden state: `_Handed` for arrays
         self._settle()
         self._made: dict[int, tuple] = {}  # id(hidden state out) -> (it, block, window, the rest of the output),
-        # of the runs of a block in `_linked`
+        # of the runs of the blocks in `_linked` whose hidden state out is still held somewhere
         self._carried: dict[int, dict[int, tuple]] = {}  # block -> window -> the rest of its output, see `_carry`
         self._drop(self.vocabulary)
 
@@ -315,8 +316,9 @@ class BlockRunner:
             output = self.block(i)(*args, **kwargs)
         if not isinstance(output, tuple):
             return output
-        if i in self._linked:
-            self._made[id(output[0])] = output[0], i, window, output[1:]
+        if i in self._linked:  # kept while the hidden state it returned is held, by weak reference
+            key = id(output[0])
+            self._made[key] = weakref.ref(output[0], lambda _: self._made.pop(key, None)), i, window, output[1:]
         return output[0]
 
     def _argument(self, i: int, window: int, hidden: mx.array, key: Key, value):
@@ -335,9 +337,8 @@ class BlockRunner:
         block (AWQ's trials, mixed precision's rounded weights), the one whose output goes on is the float model's
         pass."""
         made = self._made.get(id(hidden))
-        if made is not None and made[0] is hidden:
+        if made is not None and made[0]() is hidden and made[1] == i - 1:
             self._carried.setdefault(made[1], {})[window] = made[3]
-        self._made = {k: m for k, m in self._made.items() if m[1] in (i - 1, i)}
 
     def evaluate(self, i: int, arrays: Sequence[mx.array]) -> None:
         """Evaluate what `forward` (and what the block's recorders, stats.record) made of block `i`."""
