@@ -249,7 +249,8 @@ class BlockRunner:
             capture.broken = capture.broken or f"its forward pass needs more from a layer than the hidden state ({e})"
         finally:
             self._swap(blocks)
-        self.key = capture.first_key if capture.key is None else capture.key  # a one-layer model: the first array
+        # where every block takes the hidden state (a one-layer model: its first array)
+        self.key: Key = capture.first_key if capture.key is None else capture.key
         args, kwargs = self.calls[0][-1] if self.calls[0] else ((), {})
         hidden = _by_key(args, kwargs).get(self.key)
         if not self.calls[0] or any(len(c) != len(self.calls[0]) for c in self.calls):
