@@ -5,7 +5,8 @@ A block is what mlx_lm's model class calls a layer (`model.layers[i]`). The mode
 (embeddings, final norm, head) are read up front, in their stored dtype, and the vocabulary-sized ones are
 dropped again once the capture pass is done (read again only for logits). One pass of the model with every block
 replaced by a catcher records what the model hands each block besides the hidden state (attention masks, a
-block's own per-layer inputs), and the input of the first block. From then on a block's weights are read from the
+block's own per-layer inputs, what an earlier block returned beside its hidden state), and the input of the first
+block. From then on a block's weights are read from the
 source as float32 when its turn comes (`load`), it runs on the calibration windows' hidden states (`run`), and its
 weights are dropped again (`release`): at any time one block's weights and the windows' hidden states are held,
 never the whole model, so peak memory does not grow with depth.
@@ -16,6 +17,7 @@ The math runs on MLX's default device: the GPU where there is one (Metal, CUDA),
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -50,43 +52,108 @@ class _StandIn(nn.Module):
             return getattr(object.__getattribute__(self, "_block"), key)
 
 
-class _Catcher(_StandIn):
-    """Stands in for a block in the capture pass: records the call's arguments besides the hidden state and hands
-    on a new array of the hidden state's values. The next catcher must receive that very array as its first
-    argument: a model that changes the hidden state between its layers, or passes it elsewhere than first (talkie's
-    blocks take the embeddings first), cannot be run one block at a time, and `broken` says why."""
+@dataclass(frozen=True)
+class _Handed:
+    """Stands for what block `block` hands back beside the hidden state, at `index` of the rest of its output
+    (rwkv7's first layer's values, which every later layer mixes in; gemma4's keys, which later layers share):
+    a marker in the capture pass; the block's own output when a later block runs."""
+    block: int
+    index: int
 
-    def __init__(self, block: nn.Module, calls: list, handed: dict, first: bool, last: bool):
+
+Key = int | str  # where a block takes the hidden state: a position, or a keyword (gptj's `inputs`)
+
+
+def _by_key(args: tuple, kwargs: dict) -> dict:
+    """A call's arguments by position and by keyword."""
+    return {**dict(enumerate(args)), **kwargs}
+
+
+def _is_data(value) -> bool:
+    """Arrays, numbers, None and containers of them: what a block can be handed again on a later run. An object
+    (a cache the model fills, a list a layer appends to) is state one run would leave for the next."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_data(v) for v in value)
+    if isinstance(value, dict):
+        return all(_is_data(v) for v in value.values())
+    return value is None or isinstance(value, (mx.array, bool, int, float, str, _Handed))
+
+
+class _Capture:
+    """The capture pass's catchers, one in every block's place: each records its call's arguments and hands on a
+    new array of the hidden state's values (with `_Handed` markers for the rest of a block's output, whose shape
+    the first block's own call shows, built and never computed). The next catcher must receive that very array:
+    where it does (first, second as talkie's, or by keyword as gptj's) is the hidden state's `key`; a model that
+    changes the hidden state between its layers cannot be run one block at a time, and `broken` says why."""
+
+    def __init__(self, runner: "BlockRunner"):
+        self.runner, self.n = runner, len(runner)
+        self.key: Key | None = None
+        self.handed: mx.array | None = None  # what the last catcher handed on
+        self.rest: tuple | None = None  # the rest of a block's output, markers for arrays; None: the hidden state only
+        self.broken: str | None = None
+        self.first_key: Key | None = None  # where the first catcher took the hidden state from
+        self.first: mx.array | None = None  # and what it took
+
+    def call(self, i: int, block: nn.Module, args: tuple, kwargs: dict):
+        values = _by_key(args, kwargs)
+        if i == 0:  # which array is the hidden state, the second layer's call shows; the first one, for now
+            key = next((k for k, v in values.items() if isinstance(v, mx.array)), None)
+            if key is None:
+                self._break("its layers are not handed the hidden state")
+            self.first_key, self.first = key, values[key]
+            if self.rest is None:
+                self.rest = self._rest(block(*args, **kwargs))
+        else:
+            key = next((k for k, v in values.items() if v is self.handed), None)
+            if key is None or self.key not in (None, key):
+                self._break("its layers do not hand the hidden state straight on to the next layer")
+            self.key = key
+        self.runner.calls[i].append((args, kwargs))
+        if i == self.n - 1:
+            raise _Captured
+        self.handed = mx.array(values[key])
+        return self.handed if not self.rest else (self.handed, *(_Handed(i, k) if isinstance(v, _Handed) else v
+                                                                  for k, v in enumerate(self.rest)))
+
+    def _rest(self, output) -> tuple:
+        """The rest of the first block's output: markers for arrays (each block's own), numbers and None as
+        they are."""
+        if not isinstance(output, tuple):
+            return ()
+        for v in output[1:]:
+            if not _is_data(v):
+                self._break(f"its layers hand on a {type(v).__name__}, state the next layer changes")
+        return tuple(_Handed(0, k) if v is not None and not isinstance(v, (bool, int, float, str)) else v
+                     for k, v in enumerate(output[1:]))
+
+    def _break(self, why: str):
+        self.broken = self.broken or why
+        raise _Captured
+
+
+class _Catcher(_StandIn):
+    def __init__(self, block: nn.Module, capture: _Capture, i: int):
         super().__init__(block)
-        self._calls, self._handed, self._first, self._last = calls, handed, first, last
-        self.hidden: mx.array | None = None
+        self._capture, self._i = capture, i
 
     def __call__(self, *args, **kwargs):
-        if not args:
-            self._handed["broken"] = "its layers take the hidden state by keyword"
-            raise _Captured
-        x, rest = args[0], args[1:]
-        if self._first:
-            self.hidden = x.astype(mx.float32)
-        elif x is not self._handed.get("out"):
-            self._handed["broken"] = "its layers do not hand the hidden state straight on to the next layer"
-        self._calls.append((rest, kwargs))
-        if self._last:
-            raise _Captured
-        self._handed["out"] = mx.array(x)
-        return self._handed["out"]
+        return self._capture.call(self._i, object.__getattribute__(self, "_block"), args, kwargs)
 
 
 class _Replay(_StandIn):
     """Stands in for a block when the model's own tail (final norm, head, soft-capping) turns the last block's
-    output into logits: the last block's stand-in returns that output, the others pass their input on."""
+    output into logits: the last block's stand-in returns that output, the others pass their input on (with the
+    capture's markers for the rest of a block's output: the tails of the models that run block by block read only
+    the hidden state)."""
 
-    def __init__(self, block: nn.Module, output: mx.array | None):
+    def __init__(self, block: nn.Module, key: Key, rest: tuple, output: mx.array | None):
         super().__init__(block)
-        self._output = output
+        self._key, self._rest, self._output = key, rest, output
 
-    def __call__(self, x, *args, **kwargs):
-        return x if self._output is None else self._output
+    def __call__(self, *args, **kwargs):
+        x = self._output if self._output is not None else _by_key(args, kwargs)[self._key]
+        return (x, *self._rest) if self._rest else x
 
 
 @dataclass(frozen=True)
@@ -137,9 +204,15 @@ class BlockRunner:
         # dropped in between.
         self.vocabulary = [n for n in outside if n in embedding_weights(model)]
         self._load_outside(outside)
-        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.slots]
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.slots]  # each block's, window by window
         self._streams = [mx.new_stream(mx.default_device()) for _ in self.windows]  # see `forward`
-        self.hidden = [self._capture(w) for w in self.windows]
+        capture = _Capture(self)
+        self.hidden = [self._capture(capture, w) for w in self.windows]
+        self.rest = capture.rest or ()  # what the blocks hand back beside the hidden state: `_Handed` for arrays
+        self._settle()
+        self._made: dict[int, tuple] = {}  # id(hidden state out) -> (it, block, window, the rest of the output),
+        # of the runs of the blocks in `_linked` whose hidden state out is still held somewhere
+        self._carried: dict[int, dict[int, tuple]] = {}  # block -> window -> the rest of its output, see `_carry`
         self._drop(self.vocabulary)
 
     def _load_outside(self, names: Sequence[str]) -> None:
@@ -166,26 +239,47 @@ class BlockRunner:
             s.container[s.index] = m
         return old
 
-    def _capture(self, window: Window) -> mx.array:
-        n = len(self.slots)
-        handed: dict = {}
-        catchers = [_Catcher(self.block(i), self.calls[i], handed, i == 0, i == n - 1) for i in range(n)]
-        blocks = self._swap(catchers)
+    def _capture(self, capture: _Capture, window: Window) -> mx.array:
+        blocks = self._swap([_Catcher(self.block(i), capture, i) for i in range(len(self))])
         try:
             self.model(_inputs(window))
         except _Captured:
             pass
         except Exception as e:  # noqa: BLE001 - mlx_lm's code around its layers wanted more than the hidden state
-            handed.setdefault("broken", f"its forward pass needs more from a layer than the hidden state ({e})")
+            capture.broken = capture.broken or f"its forward pass needs more from a layer than the hidden state ({e})"
         finally:
             self._swap(blocks)
-        if catchers[0].hidden is None or any(len(c) != len(self.calls[0]) for c in self.calls):
-            handed.setdefault("broken", "its forward pass does not call every layer once")
-        if "broken" in handed:
+        # where every block takes the hidden state (a one-layer model: its first array)
+        self.key: Key = capture.first_key if capture.key is None else capture.key
+        args, kwargs = self.calls[0][-1] if self.calls[0] else ((), {})
+        hidden = _by_key(args, kwargs).get(self.key)
+        if not self.calls[0] or any(len(c) != len(self.calls[0]) for c in self.calls):
+            capture.broken = capture.broken or "its forward pass does not call every layer once"
+        elif hidden is None or hidden is not capture.first:  # the first layer's was not what the second was handed
+            capture.broken = capture.broken or "its layers do not hand the hidden state straight on to the next layer"
+        if capture.broken is not None:
             raise UnsupportedArchitectureError(f"{type(self.model).__module__}: cannot run one layer at a time: "
-                                               f"{handed['broken']}")
-        mx.eval(catchers[0].hidden)
-        return catchers[0].hidden
+                                               f"{capture.broken}")
+        hidden = hidden.astype(mx.float32)
+        mx.eval(hidden)
+        return hidden
+
+    def _settle(self) -> None:
+        """After the capture pass: the recorded calls without the hidden state (each run is handed its own), only
+        what a block can be handed again, and which blocks' output later blocks take (`_Handed`, see `_carry`)."""
+        self._linked: set[int] = set()
+        for i, calls in enumerate(self.calls):
+            for w, (args, kwargs) in enumerate(calls):
+                values = _by_key(args, kwargs)
+                values[self.key] = None
+                for k, v in values.items():
+                    if not _is_data(v):
+                        raise UnsupportedArchitectureError(
+                            f"{type(self.model).__module__}: cannot run one layer at a time: layer {i} is handed a "
+                            f"{type(v).__name__} ({k}), state it leaves for the model or another layer")
+                    if isinstance(v, _Handed):
+                        self._linked.add(v.block)
+                calls[w] = tuple(values[k] for k in range(len(args))), {k: values[k] for k in kwargs}
 
     def load(self, i: int) -> nn.Module:
         """Block `i` with its source weights in float32."""
@@ -215,9 +309,37 @@ class BlockRunner:
         evaluated yet, computed on the window's own stream. Windows evaluated together (`evaluate`) run side by
         side: on a CPU a block's attention spends half its time in a softmax that takes one core, so one window
         after another left a core of two idle (SmolLM2's three windows: 467 -> 360 ms a block, the same values)."""
+        self._carry(i, window, hidden)
         args, kwargs = self.calls[i][window]
         with self._errors(i), mx.stream(self._streams[window]):
-            return self.block(i)(hidden, *args, **kwargs)
+            args = [self._argument(i, window, hidden, k, v) for k, v in enumerate(args)]
+            kwargs = {k: self._argument(i, window, hidden, k, v) for k, v in kwargs.items()}
+            output = self.block(i)(*args, **kwargs)
+        if not isinstance(output, tuple):
+            return output
+        if i in self._linked:  # kept while the hidden state it returned is held, by weak reference
+            key = id(output[0])
+            self._made[key] = weakref.ref(output[0], lambda _: self._made.pop(key, None)), i, window, output[1:]
+        return output[0]
+
+    def _argument(self, i: int, window: int, hidden: mx.array, key: Key, value):
+        if key == self.key:
+            return hidden
+        if not isinstance(value, _Handed):
+            return value
+        if (rest := self._carried.get(value.block, {}).get(window)) is None:
+            raise ValueError(f"it takes what layer {value.block} hands on, and no run of layer {value.block} "
+                             "made this input")
+        return rest[value.index]
+
+    def _carry(self, i: int, window: int, hidden: mx.array) -> None:
+        """Where block `i`'s input `hidden` is what a run of block i - 1 returned, keep the rest of that run's output
+        for the blocks that take it (rwkv7's first layer's values, every later layer's). Of the many runs of a
+        block (AWQ's trials, mixed precision's rounded weights), the one whose output goes on is the float model's
+        pass."""
+        made = self._made.get(id(hidden))
+        if made is not None and made[0]() is hidden and made[1] == i - 1:
+            self._carried.setdefault(made[1], {})[window] = made[3]
 
     def evaluate(self, i: int, arrays: Sequence[mx.array]) -> None:
         """Evaluate what `forward` (and what the block's recorders, stats.record) made of block `i`."""
@@ -241,7 +363,8 @@ class BlockRunner:
         if not self._vocabulary_loaded:
             self._load_outside(self.vocabulary)
         n = len(self.slots)
-        blocks = self._swap([_Replay(self.block(i), final if i == n - 1 else None) for i in range(n)])
+        blocks = self._swap([_Replay(self.block(i), self.key, self.rest, final if i == n - 1 else None)
+                             for i in range(n)])
         try:
             return self.model(_inputs(window))[0].astype(mx.float32)
         finally:

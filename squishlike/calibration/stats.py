@@ -103,6 +103,9 @@ class _Recorder(nn.Module):
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     parent_path, _, attr = path.rpartition(".")
     parent = module_at(model, parent_path)
+    if isinstance(parent, list):  # a module in a list (rwkv7's `lora`)
+        old, parent[int(attr)] = parent[int(attr)], new
+        return old
     old = parent[attr] if isinstance(parent, dict) and attr in parent else getattr(parent, attr)
     setattr(parent, attr, new)
     return old

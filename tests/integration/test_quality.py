@@ -24,7 +24,7 @@ from support.arch_sweep import ARCH_CONFIGS
 
 from squishlike.calibration.linears import input_groups
 from squishlike.calibration.stats import sample_positions
-from squishlike.errors import AccuracyGateError, TierNotReadyError
+from squishlike.errors import AccuracyGateError, TierNotReadyError, UnsupportedArchitectureError
 from squishlike.evaluation import prepare_for_eval
 from squishlike.model import new_model
 from squishlike.npydir import NpyDir
@@ -61,11 +61,23 @@ def source_weights(provider):
     return list(canonical), lambda names: ((n, provider.get(canonical[n])) for n in names)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
-def test_blocks_one_at_a_time_give_the_whole_models_logits(tmp_path, tokenizer_dir, arch):
-    """The block-by-block pass computes what the whole float32 model computes (gemma3's layers take masks of two
-    kinds, sliding and global), with one block's weights loaded at a time."""
-    src = make_hf_model(tmp_path / arch, TINY_CONFIGS[arch], tokenizer_dir)
+# Besides the plain families: layers that take the hidden state second (talkie: the embeddings first) or by keyword
+# (gptj), and layers that hand back more than the hidden state (a tuple), which the model hands on to later layers:
+# rwkv7's first layer's values every later layer mixes in, gemma4's and hunyuan's keys and values a later layer
+# attends to (shared keys: 2 of 4 layers; hunyuan's CLA: every second layer).
+BLOCKWISE = {**{arch: TINY_CONFIGS.get(arch) or ARCH_CONFIGS[arch] for arch in
+                ("llama", "qwen2", "qwen3", "gemma3_text", "talkie", "gptj", "rwkv7", "gemma4", "gemma4_text",
+                 "hunyuan", "kimi_k3")},
+             "gemma4_text shared keys": {**ARCH_CONFIGS["gemma4_text"], "num_hidden_layers": 4,
+                                         "num_kv_shared_layers": 2},
+             "hunyuan cla": {**ARCH_CONFIGS["hunyuan"], "num_hidden_layers": 4, "use_cla": True}}
+
+
+def block_by_block(tmp_path, tokenizer_dir, config, trial=None):
+    """Each block of the model made from `config` run alone over calibration windows, one block's weights loaded at
+    a time, its outputs the next block's inputs (after `trial(runner, i)`, where given): for each window, the
+    largest difference of the logits to the whole float32 model's, relative to their largest."""
+    src = make_hf_model(tmp_path / "model", config, tokenizer_dir)
     with WeightProvider.open(src) as provider:
         model, tokenizer = float_model(provider)
         windows = calibrate.calibration_windows(tokenizer, max_tokens=200, window=64)
@@ -75,10 +87,54 @@ def test_blocks_one_at_a_time_give_the_whole_models_logits(tmp_path, tokenizer_d
             loaded = runner.load(i)
             assert all(a.dtype == mx.float32 for _, a in tree_flatten(loaded.parameters()))
             hidden = runner.run(i, hidden)
+            if trial is not None:
+                trial(runner, i)
             runner.release(i)
+        differences = []
         for w, h in zip(windows, hidden):
             want = model(mx.array(w.tokens[:-1])[None])[0].astype(mx.float32)
-            assert mx.abs(runner.logits(h, w) - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
+            differences.append(mx.abs(runner.logits(h, w) - want).max().item() / max(1.0, mx.abs(want).max().item()))
+        return differences
+
+
+@pytest.mark.parametrize("arch", sorted(BLOCKWISE))
+def test_blocks_one_at_a_time_give_the_whole_models_logits(tmp_path, tokenizer_dir, arch):
+    """The block-by-block pass computes what the whole float32 model computes (gemma3's layers take masks of two
+    kinds, sliding and global; what a layer hands on to later layers is its own run's), with one block's weights
+    loaded at a time."""
+    assert max(block_by_block(tmp_path, tokenizer_dir, BLOCKWISE[arch])) <= 1e-4
+
+
+def test_a_blocks_trial_runs_do_not_change_what_later_blocks_take(tmp_path, tokenizer_dir):
+    """rwkv7's later layers take values its first layer hands on. Runs of a block with other weights after its
+    float run (AWQ's trials, mixed precision's rounded weights) leave the later blocks what the float run made."""
+    def trial(runner, i):
+        weights = [(runner.slots[i].prefix + n, a * 2) for n, a in tree_flatten(runner.block(i).parameters())]
+        runner.set_weights(i, weights)
+        runner.evaluate(i, [runner.forward(i, w, h) for w, h in enumerate(runner.hidden)])
+        runner.set_weights(i, [(n, a / 2) for n, a in weights])
+
+    config = {**ARCH_CONFIGS["rwkv7"], "num_hidden_layers": 3}
+    assert max(block_by_block(tmp_path, tokenizer_dir, config, trial)) <= 1e-4
+
+
+@pytest.mark.parametrize("arch,config,why", [
+    ("afm7", ARCH_CONFIGS["afm7"], "layer 0 is handed a ConcatenateKVCache"),
+    ("deepseek_v41", ARCH_CONFIGS["deepseek_v41"], "layer 0 is handed a LayerCache"),
+    ("iquestloopcoder", ARCH_CONFIGS["iquestloopcoder"], "does not call every layer once"),
+    ("kimi_k3", {**ARCH_CONFIGS["kimi_k3"], "text_config": {**ARCH_CONFIGS["kimi_k3"]["text_config"],
+                                                            "attn_res_block_size": 1}},
+     "its layers hand on a ResidualBlocks"),
+])
+def test_models_whose_layers_cannot_run_alone_are_refused_saying_why(tmp_path, tokenizer_dir, arch, config, why):
+    """Layers that exchange state through objects (a cache the model reads keys from after the layer ran, a list
+    each layer appends to), or whose weights the model uses without calling the layer: a typed error naming it."""
+    src = make_hf_model(tmp_path / arch, config, tokenizer_dir)
+    with WeightProvider.open(src) as provider:
+        _, tokenizer = float_model(provider)
+        windows = calibrate.calibration_windows(tokenizer, max_tokens=200, window=64)
+        with pytest.raises(UnsupportedArchitectureError, match=f"{arch}: cannot run one layer at a time: .*{why}"):
+            calibrate.BlockRunner(new_model(provider.dense_config()), *source_weights(provider), windows)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -100,14 +156,24 @@ def test_windows_side_by_side_compute_what_one_window_at_a_time_does(tmp_path, t
 
 
 def test_a_model_whose_layers_cannot_run_alone_is_compressed_uncalibrated(tmp_path, tokenizer_dir):
-    """talkie's layers take the embeddings first and the hidden state second: no block can be run alone, so
-    compress rounds to nearest and says why in the manifest."""
-    src = make_hf_model(tmp_path / "talkie", ARCH_CONFIGS["talkie"], tokenizer_dir)
+    """afm7's last layers attend to keys the model reads out of an earlier layer's cache: no block can be run
+    alone, so compress rounds to nearest and says why in the manifest."""
+    src = make_hf_model(tmp_path / "afm7", ARCH_CONFIGS["afm7"], tokenizer_dir)
     with pytest.warns(UserWarning, match="calibration stopped"):
         out = squishlike.compress(src, tmp_path / "t4", scheme="int4", calibration_max_tokens=128)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert "hand the hidden state straight on" in manifest["calibration"]["stopped"]
+    assert "is handed a ConcatenateKVCache" in manifest["calibration"]["stopped"]
     assert manifest["gptq"]["applied"] is False
+    squishlike.load(out)
+
+
+def test_a_model_whose_layers_hand_back_more_than_the_hidden_state_is_calibrated(tmp_path, tokenizer_dir):
+    """gemma4's layers return (hidden state, keys and values, offset): run one at a time, calibrated all through."""
+    src = make_hf_model(tmp_path / "gemma4", ARCH_CONFIGS["gemma4_text"], tokenizer_dir)
+    out = squishlike.compress(src, tmp_path / "g4", scheme="int4", calibration_max_tokens=128)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "stopped" not in manifest["calibration"]
+    assert manifest["gptq"]["applied"] is True
     squishlike.load(out)
 
 
