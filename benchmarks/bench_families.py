@@ -38,8 +38,10 @@ def build_source(model_type: str, directory: Path, tokenizer: Path) -> Path:
     from tests.support.arch_sweep import HAND, tiny_config
     from tests.support.tiny_models import make_hf_model
 
-    make_hf_model(directory, HAND.get(model_type) or tiny_config(model_type), tokenizer, dtype=mx.bfloat16,
-                  row_spread=1.0)
+    config = HAND.get(model_type) or tiny_config(model_type)
+    # Positions for the 1,024-token windows the calibration and the evaluation take (learned ones: gpt2's)
+    config = {**config, **{k: 2048 for k in ("n_positions", "n_ctx", "max_position_embeddings") if k in config}}
+    make_hf_model(directory, config, tokenizer, dtype=mx.bfloat16, row_spread=1.0)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     return directory

@@ -52,8 +52,12 @@ def fold_groups(runner: BlockRunner, i: int, canonical: dict[str, str], readers:
         width = reads.shape[-1]
         if id(reads) in made_by:
             options = [(made_by[id(reads)], None, None)]
-        else:  # the output of attention or of a product: rows of a linear (or a slice of a fused one's rows)
+        else:  # the output of attention or of a product: rows of a linear (or a slice of a fused one's rows) in
+            # the same module (attention's v for o, the MLP's up for down): a layer's every linear would cost a
+            # trial run each (rwkv7's dozens)
+            parent = g.module.rpartition(".")[0]
             options = [option for path, m in linears.items() if path not in members
+                       and path.rpartition(".")[0] == parent
                        for option in _row_folds(path, m.weight.shape[0], width, config)]
         found = next((o for o in options if _exact(runner, i, members, *o, verified)), None)
         if found is None:
