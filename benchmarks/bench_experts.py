@@ -14,7 +14,7 @@ VmHWM. With `--cold` the store's files are dropped from the page cache (posix_fa
 otherwise they are read once first, so every run finds them cached.
 
     python -m benchmarks.bench_experts --workdir DIR [--shape qwen3-moe] [--layers 48] [--experts 128]
-        [--vocab 151936] [--tokens 128] [--budgets 25,50,100] [--cold]
+        [--vocab 151936] [--tokens 128] [--budgets 25,50,100] [--cold] [--bf16-baseline]
 
 The full Qwen3-30B-A3B shape (the defaults) writes a 17 GB source and a 17 GB store under --workdir.
 """
@@ -123,9 +123,10 @@ def build_store(workdir: Path, config: dict) -> Path:
     return store
 
 
-def run_once(store: Path, share: float | None, tokens: int) -> dict:
+def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool = False) -> dict:
     """One configuration, in this process: the resident load (`share` None) or experts streamed with a cache of
-    `share` of their bytes."""
+    `share` of their bytes. `bf16_experts`: the resident load with its expert stacks on MLX's bf16 gather_qmm, as
+    before cpu_layers.CpuQuantizedSwitchLinear (the baseline of the CPU path)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -140,6 +141,12 @@ def run_once(store: Path, share: float | None, tokens: int) -> dict:
     if share is None:
         model, _ = squishlike.load(store)
         budget = None
+        if bf16_experts:
+            from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+            for _, module in model.named_modules():
+                if isinstance(module, QuantizedSwitchLinear):
+                    module.__class__ = QuantizedSwitchLinear
     else:
         opened = NpyDir(store)
         stacks = expert_stacks(opened, new_model(opened.config()))
@@ -179,11 +186,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--budgets", default="25,50,100", help="expert caches, in %% of the experts' bytes")
     parser.add_argument("--cold", action="store_true", help="drop the store from the page cache before each run")
+    parser.add_argument("--bf16-baseline", action="store_true",
+                        help="also run the resident load with its experts on MLX's bf16 gather_qmm (mlx[cpu])")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        share = None if args.child == "resident" else float(args.child)
-        print(json.dumps(run_once(args.workdir / "store", share, args.tokens)))
+        share = None if args.child.startswith("resident") else float(args.child)
+        print(json.dumps(run_once(args.workdir / "store", share, args.tokens, args.child == "resident-bf16")))
         return
     config = dict(SHAPES[args.shape])
     for key, value in (("num_hidden_layers", args.layers), ("num_experts", args.experts), ("vocab_size", args.vocab)):
@@ -199,7 +208,8 @@ def main() -> None:
           f"{config['num_experts_per_tok']}), vocab {config['vocab_size']}; INT4 store {store_gb:.2f} GB; "
           f"{args.tokens} tokens; page cache: {'dropped' if args.cold else 'warm'}")
     results = []
-    for child in ["resident", *(str(int(b) / 100) for b in args.budgets.split(","))]:
+    children = ["resident", *(str(int(b) / 100) for b in args.budgets.split(","))]
+    for child in children + ["resident-bf16"] * args.bf16_baseline:
         if args.cold:
             evict(files)
         else:
@@ -211,19 +221,24 @@ def main() -> None:
                               "--tokens", str(args.tokens), "--child", child], capture_output=True, text=True)
         if run.returncode:
             sys.exit(f"{child} failed:\n{run.stderr}")
-        results.append(json.loads(run.stdout.splitlines()[-1]))
+        results.append({**json.loads(run.stdout.splitlines()[-1]), "child": child})
     base = results[0]
     print(f"{'load':<16}{'max_memory':>12}{'peak RSS':>10}{'load s':>8}{'prefill s':>10}{'decode tok/s':>14}"
           f"{'vs resident':>12}{'hit rate':>10}{'MB read/token':>15}")
     for r in results:
-        assert r["tokens"] == base["tokens"], f"cache {r['share']}: tokens differ from the resident load's"
-        name = "resident" if r["share"] is None else f"experts {100 * r['share']:.0f} %"
+        name = {"resident": "resident", "resident-bf16": "resident bf16"}.get(r["child"],
+                                                                          f"experts {100 * (r['share'] or 0):.0f} %")
+        if r["child"] == "resident-bf16":  # another accumulation: the tokens may part on a random model
+            same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+            print(f"(resident bf16: {same} of {len(base['tokens'])} tokens as the float32 path's)", file=sys.stderr)
+        else:
+            assert r["tokens"] == base["tokens"], f"{name}: tokens differ from the resident load's"
         budget = f"{r['max_memory'] / 1e9:.2f} GB" if r["max_memory"] else "-"
         hit = f"{100 * r['hit_rate']:.1f} %" if r["hit_rate"] is not None else "-"
         read = f"{r['read_per_token'] / 1e6:.1f}" if r["read_per_token"] is not None else "-"
         print(f"{name:<16}{budget:>12}{r['peak_rss'] / 1e9:>8.2f}GB{r['load_s']:>8.1f}{r['prefill_s']:>10.2f}"
               f"{r['decode_tps']:>14.2f}{r['decode_tps'] / base['decode_tps']:>11.2f}x{hit:>10}{read:>15}")
-    print("same tokens as the resident load: yes")
+    print("same tokens as the resident load: yes (every streamed run)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cpu_layers import expert_product
 from ..dtypes import MX_DTYPES, to_mx
 from ..npydir import NpyDir
 from ..quant.schemes import rows_cols
@@ -134,9 +135,8 @@ class StreamedSwitchLinear(nn.Module):
         routed = np.array(indices)  # the router's choice, computed here: what to read
         experts, slots = np.unique(routed, return_inverse=True)
         weight, scales, biases = self.cache.gather(self.stack_name, experts)
-        y = mx.gather_qmm(x, weight, scales, biases, rhs_indices=mx.array(slots.reshape(routed.shape), mx.uint32),
-                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                          sorted_indices=sorted_indices)
+        slots = mx.array(slots.reshape(routed.shape), mx.uint32)
+        y = expert_product(self, x, weight, scales, biases, slots, sorted_indices)
         if "bias" in self:
             y = y + mx.expand_dims(self["bias"][indices], -2)
         mx.eval(y)  # the gathered stack goes before the next layer's experts come: the cache's bound holds

@@ -138,3 +138,23 @@ def test_the_server_answers_a_chat_with_streamed_experts_within_max_memory(moe_s
     finally:
         process.kill()
         process.wait(timeout=60)
+
+
+def test_bf16_experts_take_the_float32_cpu_path_streamed_or_resident_alike(tokenizer_dir, tmp_path):
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from squishlike.cpu_layers import CpuQuantizedSwitchLinear
+
+    store = tmp_path / "store"
+    squishlike.compress(make_hf_model(tmp_path / "hf", MOE, tokenizer_dir), store, scheme="int4", dtype="bfloat16")
+    resident, _ = squishlike.load(store)
+    stacks = [m for _, m in resident.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert stacks and all(type(m) is CpuQuantizedSwitchLinear for m in stacks)
+    streamed, _ = squishlike.load(store, max_memory=smallest_budget(store))
+    expected = resident(mx.array([PROMPT]))
+    assert expected.dtype == mx.bfloat16 and mx.array_equal(streamed(mx.array([PROMPT])), expected).item()
+    for m in stacks:  # MLX's own bf16 gather_qmm: the same model, within bf16's rounding
+        m.__class__ = QuantizedSwitchLinear
+    bf16 = resident(mx.array([PROMPT])).astype(mx.float32)
+    cosine = (mx.sum(bf16 * expected) / (mx.linalg.norm(bf16) * mx.linalg.norm(expected.astype(mx.float32)))).item()
+    assert cosine > 0.99
