@@ -98,7 +98,7 @@ def _tensor(name: str, shape: tuple[int, ...], config: dict, rng, pool) -> dict:
     if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
         return {name: mx.array(rng.standard_normal(shape, np.float32) * cols ** -0.5).astype(mx.bfloat16)}
     words = math.prod(lead) * cols // 8
-    start = int(rng.integers(0, len(pool) - min(words, len(pool))))
+    start = int(rng.integers(0, len(pool)))
     codes = np.resize(np.roll(pool, -start), words).reshape(*lead, cols // 8)
     # uniform codes 0..15 have variance 255/12: scale s gives values of spread 4.6 s
     spread = 1.0 if "embed_tokens" in name else cols ** -0.5
