@@ -14,7 +14,7 @@ VmHWM. With `--cold` the store's files are dropped from the page cache (posix_fa
 otherwise they are read once first, so every run finds them cached.
 
     python -m benchmarks.bench_experts --workdir DIR [--shape qwen3-moe] [--layers 48] [--experts 128]
-        [--vocab 151936] [--tokens 128] [--budgets 25,50,100] [--cold] [--bf16-baseline]
+        [--vocab 151936] [--tokens 128] [--budgets 25,50,100] [--cold] [--bf16-baseline] [--no-readahead]
 
 The full Qwen3-30B-A3B shape (the defaults) writes a 17 GB source and a 17 GB store under --workdir.
 """
@@ -123,20 +123,23 @@ def build_store(workdir: Path, config: dict) -> Path:
     return store
 
 
-def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool = False) -> dict:
+def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool = False,
+             readahead: bool = True) -> dict:
     """One configuration, in this process: the resident load (`share` None) or experts streamed with a cache of
     `share` of their bytes. `bf16_experts`: the resident load with its expert stacks on MLX's bf16 gather_qmm, as
-    before cpu_layers.CpuQuantizedSwitchLinear (the baseline of the CPU path)."""
+    before cpu_layers.CpuQuantizedSwitchLinear (the baseline of the CPU path). `readahead`: whether the cache
+    announces the sibling stacks' experts to the kernel (ExpertCache.readahead)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     import squishlike
     from squishlike.load.budget import expert_stacks, streamed_budget
-    from squishlike.load.experts import expert_cache
+    from squishlike.load.experts import ExpertCache, expert_cache
     from squishlike.load.streamed import load_streamed
     from squishlike.model import new_model
     from squishlike.npydir import NpyDir
 
+    ExpertCache.readahead = readahead
     started = time.perf_counter()
     if share is None:
         model, _ = squishlike.load(store)
@@ -188,11 +191,14 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="drop the store from the page cache before each run")
     parser.add_argument("--bf16-baseline", action="store_true",
                         help="also run the resident load with its experts on MLX's bf16 gather_qmm (mlx[cpu])")
+    parser.add_argument("--no-readahead", action="store_true",
+                        help="streamed runs without the sibling stacks' readahead (to measure it)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         share = None if args.child.startswith("resident") else float(args.child)
-        print(json.dumps(run_once(args.workdir / "store", share, args.tokens, args.child == "resident-bf16")))
+        print(json.dumps(run_once(args.workdir / "store", share, args.tokens, args.child == "resident-bf16",
+                                  not args.no_readahead)))
         return
     config = dict(SHAPES[args.shape])
     for key, value in (("num_hidden_layers", args.layers), ("num_experts", args.experts), ("vocab_size", args.vocab)):
@@ -206,7 +212,8 @@ def main() -> None:
     store_gb = sum(f.stat().st_size for f in files) / 1e9
     print(f"{args.shape}: {config['num_hidden_layers']} layers, {config['num_experts']} experts (top "
           f"{config['num_experts_per_tok']}), vocab {config['vocab_size']}; INT4 store {store_gb:.2f} GB; "
-          f"{args.tokens} tokens; page cache: {'dropped' if args.cold else 'warm'}")
+          f"{args.tokens} tokens; page cache: {'dropped' if args.cold else 'warm'}; readahead "
+          f"{'off' if args.no_readahead else 'on'}")
     results = []
     children = ["resident", *(str(int(b) / 100) for b in args.budgets.split(","))]
     for child in children + ["resident-bf16"] * args.bf16_baseline:
@@ -218,7 +225,8 @@ def main() -> None:
                     while handle.read(64 << 20):
                         pass
         run = subprocess.run([sys.executable, "-m", "benchmarks.bench_experts", "--workdir", str(workdir),
-                              "--tokens", str(args.tokens), "--child", child], capture_output=True, text=True)
+                              "--tokens", str(args.tokens), "--child", child, *["--no-readahead"] * args.no_readahead],
+                             capture_output=True, text=True)
         if run.returncode:
             sys.exit(f"{child} failed:\n{run.stderr}")
         results.append({**json.loads(run.stdout.splitlines()[-1]), "child": child})

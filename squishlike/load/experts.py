@@ -11,6 +11,8 @@ remap keeps sorted indices sorted (SwitchGLU sorts a prompt's).
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -62,6 +64,10 @@ class _ExpertStack:
             shape = [*lead, entry.kind.uint32_cols(cols) if i == 0 else cols // entry.group_size]
             self.parts.append((suffix, per_expert, part_cols, shape))
             self.expert_bytes += per_expert * part_cols * stored.itemsize
+        # where each part's expert 0 lies in its pack, and one expert's bytes of it: what readahead asks for
+        self.spans = [(store.part_path(name, suffix), entry.files[suffix].offset,
+                       per_expert * cols * entry.part_spec(suffix)[0].itemsize)
+                      for suffix, per_expert, cols, _ in self.parts] if store.version >= 2 else []
 
     def read(self, store: NpyDir, expert: int) -> tuple[mx.array, ...]:
         """One expert's (weight, scales, biases) as MLX arrays: each part one pread of its rows, checked as every
@@ -81,7 +87,13 @@ class _ExpertStack:
 
 class ExpertCache:
     """The experts of a model's streamed stacks in memory, least recently used evicted first, within `capacity`
-    bytes; `stats` counts what it did."""
+    bytes; `stats` counts what it did.
+
+    Reads overlap compute by the kernel's readahead: the stacks of one SwitchGLU (up, gate, down) take the same
+    routed experts, so when the first is asked for them the others' uncached experts are announced to the kernel
+    (posix_fadvise WILLNEED), which reads them into the page cache while the first stack's product runs."""
+
+    readahead = True  # the benchmark turns it off to measure it
 
     def __init__(self, store: NpyDir, names: list[str], capacity: int):
         self.store = store
@@ -90,6 +102,24 @@ class ExpertCache:
         self.stats = ExpertStats()
         self._cached: OrderedDict[tuple[str, int], tuple[mx.array, ...]] = OrderedDict()
         self.used = 0
+        siblings: dict[str, list[str]] = {}  # a stack's SwitchGLU (its name up to the projection) -> its stacks
+        for name in names:
+            siblings.setdefault(name.rsplit(".", 2)[0], []).append(name)
+        self._siblings = {name: [s for s in siblings[name.rsplit(".", 2)[0]] if s != name] for name in names}
+        paths = {path for stack in self.stacks.values() for path, _, _ in stack.spans}
+        self._fds = {path: os.open(path, os.O_RDONLY) for path in paths} if hasattr(os, "posix_fadvise") else {}
+        weakref.finalize(self, _close_all, list(self._fds.values()))
+
+    def announce(self, name: str, experts: np.ndarray) -> None:
+        """Ask the kernel to read ahead the uncached `experts` of the stacks beside `name` (class doc)."""
+        if not (self.readahead and self._fds):
+            return
+        for sibling in self._siblings[name]:
+            stack = self.stacks[sibling]
+            for e in experts:
+                if (sibling, int(e)) not in self._cached:
+                    for path, start, length in stack.spans:
+                        os.posix_fadvise(self._fds[path], start + int(e) * length, length, os.POSIX_FADV_WILLNEED)
 
     def gather(self, name: str, experts: np.ndarray) -> tuple[mx.array, ...]:
         """(weight, scales, biases) of stack `name`'s `experts` (ascending, distinct), stacked in that order. Those
@@ -118,6 +148,11 @@ class ExpertCache:
                 self.used -= self.stacks[key[0]].expert_bytes
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 class StreamedSwitchLinear(nn.Module):
     """mlx_lm's QuantizedSwitchLinear with its experts in an ExpertCache instead of in memory: the same call,
     the same `gather_qmm`, on the routed experts only."""
@@ -135,6 +170,7 @@ class StreamedSwitchLinear(nn.Module):
         routed = np.array(indices)  # the router's choice, computed here: what to read
         experts, slots = np.unique(routed, return_inverse=True)
         weight, scales, biases = self.cache.gather(self.stack_name, experts)
+        self.cache.announce(self.stack_name, experts)  # read while this product runs
         slots = mx.array(slots.reshape(routed.shape), mx.uint32)
         y = expert_product(self, x, weight, scales, biases, slots, sorted_indices)
         if "bias" in self:
