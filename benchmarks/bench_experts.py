@@ -136,7 +136,6 @@ def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool =
     from squishlike.load.budget import expert_stacks, streamed_budget
     from squishlike.load.experts import ExpertCache, expert_cache
     from squishlike.load.streamed import load_streamed
-    from squishlike.model import new_model
     from squishlike.npydir import NpyDir
 
     ExpertCache.readahead = readahead
@@ -152,7 +151,7 @@ def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool =
                     module.__class__ = QuantizedSwitchLinear
     else:
         opened = NpyDir(store)
-        stacks = expert_stacks(opened, new_model(opened.config()))
+        stacks = expert_stacks(opened, opened.config())
         experts = streamed_budget(opened, stacks, 0).experts
         budget = streamed_budget(opened, stacks, int(share * experts))
         model, _, _ = load_streamed(opened, budget, verify=False, tokenizer_config=None, model_config=None,

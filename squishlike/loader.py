@@ -142,10 +142,8 @@ def _load_within(path: Path, max_memory: int | str, tier: str | None, verify: bo
         return None
     store = NpyDir(path)
     import_mlx_lm()
-    from .model import new_model
-
     config = {**store.config(), **(model_config or {})}
-    budget = plan_budget(store, max_memory, expert_stacks(store, new_model(config, store.path, trust_remote_code)))
+    budget = plan_budget(store, max_memory, expert_stacks(store, config, trust_remote_code))
     if budget is None:
         return None
     if tier is not None:

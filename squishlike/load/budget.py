@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..dtypes import NP_STORAGE
-from ..errors import MemoryBudgetError
+from ..errors import MemoryBudgetError, SquishError
 from ..npydir import NpyDir
 from ..npydir.manifest import TensorEntry
 
@@ -69,7 +69,7 @@ def plan_budget(store: NpyDir, max_memory: int, stacks: dict[str, str]) -> Budge
                                             "experts are streamed from format 2's packs only: compress it again")
     budget = streamed_budget(store, stacks, 0)
     cache = max_memory - budget.max_memory
-    if cache < budget.gathered:  # a call's experts must all be in the cache at once
+    if cache < budget.gathered:  # the least: memory_figures' least_max_memory  # a call's experts must all be in the cache at once
         raise MemoryBudgetError(store.path, f"needs {_gb(whole)} in memory, or at least "
                                             f"{_gb(budget.max_memory + budget.gathered)} with its experts streamed "
                                             f"({_gb(budget.resident)} resident, and one layer's largest expert "
@@ -87,14 +87,34 @@ def streamed_budget(store: NpyDir, stacks: dict[str, str], cache: int) -> Budget
     return Budget(resident + gathered + cache, resident, sum(sizes), cache, gathered, streamed)
 
 
-def expert_stacks(store: NpyDir, model) -> dict[str, str]:
-    """Module path -> stored tensor name, of each expert stack (mlx_lm's SwitchLinear) of `model` (a new_model:
-    nothing evaluated) that the store holds."""
+def memory_figures(store: NpyDir) -> dict:
+    """What `inspect` says of a store's memory: the resident load's bytes, and for a MoE model its streamable
+    expert stacks' bytes and the least max_memory a streamed load takes (None without such stacks)."""
+    whole = sum(held_bytes(store, entry) for entry in store.entries.values())
+    try:
+        stacks = expert_stacks(store, store.config())
+    except (SquishError, ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError):
+        # no model mlx_lm builds from this config (a load says why): no stacks to stream
+        stacks = {}
+    if not any(store.entries[name].kind.grouped for name in stacks.values()):
+        return {"resident_load": whole, "experts": 0, "expert_stacks": 0, "least_max_memory": None}
+    budget = streamed_budget(store, stacks, 0)
+    return {"resident_load": whole, "experts": budget.experts, "expert_stacks": len(budget.stacks),
+            "least_max_memory": budget.max_memory + budget.gathered}
+
+
+def expert_stacks(store: NpyDir, config: dict, trust_remote_code: bool = False) -> dict[str, str]:
+    """Module path -> stored tensor name, of each expert stack (mlx_lm's SwitchLinear) of the model `config`
+    describes that the store holds. The model is built unevaluated (nothing allocated), once the config is checked
+    against the store's tensors as every load checks it (a config claiming more layers than stored is refused)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+    from ..model import check_against_weights, new_model
     from ..tiers.base import mlx_names
 
     stored = {mlx_name: name for name, mlx_name in mlx_names(store).items()}
+    check_against_weights(config, dict.fromkeys(stored), store.path)
+    model = new_model(config, store.path, trust_remote_code)
     return {path: stored[f"{path}.weight"] for path, module in model.named_modules()
             if isinstance(module, (SwitchLinear, QuantizedSwitchLinear)) and f"{path}.weight" in stored}
 

@@ -158,3 +158,13 @@ def test_bf16_experts_take_the_float32_cpu_path_streamed_or_resident_alike(token
     bf16 = resident(mx.array([PROMPT])).astype(mx.float32)
     cosine = (mx.sum(bf16 * expected) / (mx.linalg.norm(bf16) * mx.linalg.norm(expected.astype(mx.float32)))).item()
     assert cosine > 0.99
+
+
+def test_inspect_names_the_experts_and_the_least_budget(moe_store):
+    from squishlike.info import inspect_model
+
+    whole, experts, _ = sizes(moe_store)
+    assert inspect_model(moe_store)["memory"] == {"resident_load": whole, "experts": experts, "expert_stacks": 6,
+                                                  "least_max_memory": smallest_budget(moe_store)}
+    with pytest.raises(MemoryBudgetError):
+        squishlike.load(moe_store, max_memory=smallest_budget(moe_store) - 1)
