@@ -168,3 +168,15 @@ def test_inspect_names_the_experts_and_the_least_budget(moe_store):
                                                   "least_max_memory": smallest_budget(moe_store)}
     with pytest.raises(MemoryBudgetError):
         squishlike.load(moe_store, max_memory=smallest_budget(moe_store) - 1)
+
+
+def test_a_budget_that_is_no_size_or_a_forced_tier_with_streaming_is_refused(moe_store):
+    with pytest.raises(ValueError, match="expected a size such as 8GB"):
+        squishlike.load(moe_store, max_memory="lots")
+    with pytest.raises(ValueError, match="experts are streamed from the store"):
+        squishlike.load(moe_store, max_memory=smallest_budget(moe_store), tier="int4")
+    run = subprocess.run([sys.executable, "-m", "squishlike", "chat", "--model", str(moe_store), "--max-memory",
+                          "lots"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "expected a size such as 8GB" in run.stderr
+    model, _ = squishlike.load(moe_store, max_memory=smallest_budget(moe_store))  # the store is as it was
+    assert expert_cache(model) is not None
