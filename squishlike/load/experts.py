@@ -39,10 +39,9 @@ class ExpertStats:
         asked = self.hits + self.misses
         return self.hits / asked if asked else 0.0
 
-    def describe(self, tokens: int | None = None) -> str:
-        per_token = f", {self.bytes_read / tokens / 1e6:.2f} MB per token" if tokens else ""
+    def describe(self) -> str:
         return (f"expert cache: hit rate {100 * self.hit_rate:.1f} % ({self.hits} hits, {self.misses} reads), "
-                f"{self.bytes_read / 1e6:.1f} MB read{per_token}")
+                f"{self.bytes_read / 1e6:.1f} MB read")
 
 
 class _ExpertStack:
