@@ -180,3 +180,17 @@ def test_a_budget_that_is_no_size_or_a_forced_tier_with_streaming_is_refused(moe
     assert run.returncode == 2 and "expected a size such as 8GB" in run.stderr
     model, _ = squishlike.load(moe_store, max_memory=smallest_budget(moe_store))  # the store is as it was
     assert expert_cache(model) is not None
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_other_moe_families_stream_exactly(family, tokenizer_dir, tmp_path):
+    """qwen2_moe (a shared expert beside the routed ones) and mixtral (its own names for the stacks)."""
+    store = tmp_path / "store"
+    squishlike.compress(make_hf_model(tmp_path / "hf", HAND[family], tokenizer_dir), store, scheme="int4",
+                        dtype="float32")
+    resident, tokenizer = squishlike.load(store)
+    streamed, _ = squishlike.load(store, max_memory=smallest_budget(store))
+    assert expert_cache(streamed) is not None
+    assert mx.array_equal(streamed(mx.array([PROMPT])), resident(mx.array([PROMPT]))).item()
+    assert generate(streamed, tokenizer, "The quick", max_tokens=8) == generate(resident, tokenizer, "The quick",
+                                                                                 max_tokens=8)
