@@ -13,8 +13,8 @@ bfloat16, and 0.53 s to dequantize the layer and run one bf16 matmul. So a quant
 Both are nearer the float32 product than bf16 `quantized_matmul` (whose accumulation in bf16 loses most).
 
 A MoE model's expert stacks (mlx_lm's QuantizedSwitchLinear, and the streamed stacks of squishlike/load/) run
-`gather_qmm` the same way, in float32 on the routed experts' rows: one 768x2048 4-bit expert matvec for each of 8
-routed experts took 141 ms in bf16 and 15 ms in float32 (bf16 scales kept as they are) on this VM.
+`gather_qmm` the same way, in float32 on the routed experts' rows (bf16 scales kept as they are): 2.7-6x the decode
+tokens/s of MLX's bf16 `gather_qmm` on Qwen3-MoE shapes (benchmarks/bench_experts.py --bf16-baseline).
 
 The layers are `nn.QuantizedLinear` and `nn.QuantizedEmbedding` with the same parameters (mlx_lm's code that
 checks `isinstance`, saves or fuses them keeps working); only their matmul differs, so their outputs are not
