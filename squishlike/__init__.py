@@ -26,6 +26,14 @@ _API = {
 
 __all__ = [*_API, "errors", "__version__"]
 
+# The package squishlike/load/ (load-side code) shares its name with the function `load`. Importing a subpackage
+# sets it as an attribute of its parent, which would hide the function from __getattr__ below; imported here
+# first (it imports nothing itself) and the attribute removed, later imports of it find it in sys.modules and
+# leave this namespace alone.
+from . import load as _load_package  # noqa: E402
+
+del load, _load_package  # noqa: F821
+
 
 def __getattr__(name: str) -> object:
     if name in _API:

@@ -12,6 +12,10 @@ bfloat16, and 0.53 s to dequantize the layer and run one bf16 matmul. So a quant
 
 Both are nearer the float32 product than bf16 `quantized_matmul` (whose accumulation in bf16 loses most).
 
+A MoE model's expert stacks (mlx_lm's QuantizedSwitchLinear, and the streamed stacks of squishlike/load/) run
+`gather_qmm` the same way, in float32 on the routed experts' rows (bf16 scales kept as they are): 2.7-6x the decode
+tokens/s of MLX's bf16 `gather_qmm` on Qwen3-MoE shapes (benchmarks/bench_experts.py --bf16-baseline).
+
 The layers are `nn.QuantizedLinear` and `nn.QuantizedEmbedding` with the same parameters (mlx_lm's code that
 checks `isinstance`, saves or fuses them keeps working); only their matmul differs, so their outputs are not
 bit-identical to mlx_lm's model of the same weights. They serve squishlike's own stores; a quantized MLX
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 # From this many rows of input on, dequantizing the weight for one dense matmul is faster than float32
 # quantized_matmul, which costs the same for every row (crossover measured at 7-8 rows on the layer above).
@@ -42,6 +47,25 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
     return product.astype(x.dtype)
 
 
+def expert_product(layer: nn.Module, x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None,
+                   indices: mx.array, sorted_indices: bool) -> mx.array:
+    """`layer`'s gather_qmm of x by the experts `indices` picks from (weight, scales, biases), in float32 on a
+    CPU (mlx[cpu]'s fast path; module doc), cast back to x's dtype; as mlx_lm computes it anywhere else."""
+    fast = mx.default_device() == mx.cpu and x.dtype != mx.float32
+    y = mx.gather_qmm(x.astype(mx.float32) if fast else x, weight, scales, biases, rhs_indices=indices,
+                      transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+                      sorted_indices=sorted_indices)
+    return y.astype(x.dtype) if fast else y
+
+
+class CpuQuantizedSwitchLinear(QuantizedSwitchLinear):
+    """mlx_lm's QuantizedSwitchLinear (an expert stack) with mlx[cpu]'s fast float32 gather_qmm (module doc)."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = expert_product(self, x, self["weight"], self["scales"], self.get("biases"), indices, sorted_indices)
+        return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
+
+
 class CpuQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear with mlx[cpu]'s fast matmuls (module doc)."""
 
@@ -57,15 +81,16 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
         return _quantized_product(self, x)
 
 
-_CPU_CLASS = {nn.QuantizedLinear: CpuQuantizedLinear, nn.QuantizedEmbedding: CpuQuantizedEmbedding}
+_CPU_CLASS = {nn.QuantizedLinear: CpuQuantizedLinear, nn.QuantizedEmbedding: CpuQuantizedEmbedding,
+              QuantizedSwitchLinear: CpuQuantizedSwitchLinear}
 
 
 def use_cpu_kernels(model: nn.Module) -> int:
     """Give `model`'s quantized linear and embedding layers mlx[cpu]'s fast matmuls, in place; the number changed.
 
     Each layer's class is switched rather than the layer rebuilt: the subclasses add no state, and building a
-    QuantizedLinear quantizes a random weight first. Layers of any other class (a model's own, the MoE expert
-    stacks) are left as they are."""
+    QuantizedLinear quantizes a random weight first. Layers of any other class (a model's own) are left as they
+    are."""
     changed = 0
     for _, module in model.named_modules():
         if (cpu_class := _CPU_CLASS.get(type(module))) is not None:

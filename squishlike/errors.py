@@ -103,3 +103,13 @@ class UnknownOptionError(SquishError, TypeError):
 
 class BudgetError(SquishError, ValueError):
     """A size target no choice of widths can meet (below the smallest store the model can have)."""
+
+
+class MemoryBudgetError(SquishError, MemoryError):
+    """A model cannot be loaded within the memory budget it was given (max_memory): checked before anything is
+    read, naming what it needs and what was given."""
+
+    def __init__(self, path: str | PathLike, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")

@@ -8,6 +8,7 @@ from pathlib import Path
 from .errors import FormatError
 from .formats import detect_format
 from .formats.npydir import NpyDirReader
+from .load.budget import memory_figures
 from .npydir import NpyDir, TensorEntry, is_npydir
 from .provider import WeightProvider, locate
 from .tiers import ORDER, choice, ordered, tier_status
@@ -44,6 +45,7 @@ def inspect_model(path: str | Path) -> dict:
             "policy": store.manifest.policy.to_json(),
             "int3_gate": store.manifest.int3_gate or {"passed": False, "reason": "store is not INT3"},
         }
+        report["memory"] = memory_figures(store)
         served, why = choice(store)
         report["load"] = {"tier": served, "reason": why}
         report["tiers"] = {

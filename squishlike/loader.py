@@ -45,6 +45,7 @@ def load(
     revision: str | None = None,
     trust_remote_code: bool = False,
     verify: bool | None = None,
+    max_memory: int | str | None = None,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """Load a model and its tokenizer; same arguments and result as `mlx_lm.load`, plus `tier=`.
 
@@ -61,10 +62,21 @@ def load(
     hashes a cache tier's files against its sentinel before loading them; a damaged tier is then skipped and
     rebuilt. (An Ollama blob is always checked
     against its digest; other formats record no checksum.)
+
+    `max_memory` (bytes, or a size such as "3GB") bounds the model's memory (squishlike/load/budget.py): a model
+    that fits loads as without it; an npy-dir of a mixture of experts that does not keeps its expert stacks in the
+    store, reading each token's routed experts into a cache of the bytes left (the same tokens and logits as the
+    resident load; `squishlike.load.experts.expert_cache(model).stats` counts hits and bytes read); any other
+    model over the budget raises MemoryBudgetError naming both sizes before anything is read.
     """
     path = resolve(path_or_hf_repo, revision)
     options = {"tokenizer_config": tokenizer_config, "model_config": model_config, "lazy": lazy,
                "trust_remote_code": trust_remote_code}
+    if max_memory is not None:
+        streamed = _load_within(path, max_memory, tier, verify, tokenizer_config, model_config, trust_remote_code)
+        if streamed is not None:
+            model, tokenizer, config = streamed
+            return _finish(model, tokenizer, config, adapter_path, return_config)
     if is_npydir(path):
         store = NpyDir(path)
         plan = decide(store, tier)  # the tier question, asked once: memory, the load and its log read the answer
@@ -103,9 +115,41 @@ def load(
 
         with WeightProvider.open(path) as provider:
             model, tokenizer, config = provider.build_model(**options)
+    return _finish(model, tokenizer, config, adapter_path, return_config)
+
+
+def _finish(model, tokenizer, config, adapter_path, return_config):
+    """The model with its adapter, if any, as mlx_lm.load returns it."""
     if adapter_path is not None:
         from mlx_lm.utils import load_adapters
 
         model = load_adapters(model, adapter_path)
         model.eval()
     return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+def _load_within(path: Path, max_memory: int | str, tier: str | None, verify: bool | None,
+                 tokenizer_config: dict[str, Any] | None, model_config: dict[str, Any] | None,
+                 trust_remote_code: bool) -> tuple | None:
+    """A load under max_memory (squishlike/load/budget.py): None when the whole model fits (the load goes on as
+    without a budget), the streamed (model, tokenizer, config) of a MoE npy-dir that does not fit;
+    MemoryBudgetError, before any weight is read, for any other model that does not fit."""
+    from .load.budget import check_fits, expert_stacks, parse_size, plan_budget
+
+    max_memory = parse_size(max_memory)
+    if not is_npydir(path):
+        check_fits(path, max_memory)
+        return None
+    store = NpyDir(path)
+    import_mlx_lm()
+    config = {**store.config(), **(model_config or {})}
+    budget = plan_budget(store, max_memory, expert_stacks(store, config, trust_remote_code))
+    if budget is None:
+        return None
+    if tier is not None:
+        raise ValueError(f"{path}: tier={tier} and a max_memory its model exceeds: its experts are streamed from "
+                         "the store, not loaded from a tier")
+    from .load.streamed import load_streamed
+
+    return load_streamed(store, budget, verify=verify_wanted(verify), tokenizer_config=tokenizer_config,
+                         model_config=model_config, trust_remote_code=trust_remote_code)

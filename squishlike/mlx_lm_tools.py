@@ -91,15 +91,46 @@ class _PlainText(io.TextIOBase):
         return self.stream.fileno()
 
 
-def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
-    """`add_arguments` of the subcommands that run a tool: `--tier` is squishlike's; every other flag, `--help`
-    included, is the tool's own and reaches `run_tool_command` unparsed (squishlike/cli)."""
+def add_tool_arguments(parser: argparse.ArgumentParser,
+                       max_memory_help: str = "bound the model's memory, e.g. 3GB: a mixture of experts over it "
+                       "keeps its experts in the store and reads each token's routed experts into a cache of the "
+                       "bytes left; any other model over it is refused") -> None:
+    """`add_arguments` of the subcommands that run a tool: `--tier` and `--max-memory` are squishlike's; every other
+    flag, `--help` included, is the tool's own and reaches `run_tool_command` unparsed (squishlike/cli)."""
+    from .load.budget import parse_size
     from .tiers import TIER_NAMES
 
     parser.add_argument("--tier", choices=TIER_NAMES, help="force this tier of every npy-dir the tool loads")
+    parser.add_argument("--max-memory", type=_size_argument(parse_size), metavar="BYTES", help=max_memory_help)
+
+
+def _size_argument(parse: Callable[[str], int]) -> Callable[[str], int]:
+    def parse_argument(text: str) -> int:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_argument
 
 
 def run_tool_command(args: argparse.Namespace) -> int:
-    """`run` of the subcommands that run a tool: the tool named by the subcommand's MLX_LM_TOOL, on its flags."""
-    run_tool(args.mlx_lm_tool, args.tool_argv, tier=args.tier)
+    """`run` of the subcommands that run a tool: the tool named by the subcommand's MLX_LM_TOOL, on its flags. A
+    model whose experts were streamed (--max-memory) gets its expert cache's figures on stderr afterwards."""
+    from .load.experts import expert_cache
+    from .loader import load
+
+    caches = []
+
+    def loader(*load_args: Any, **load_kwargs: Any) -> tuple:
+        loaded = load(*load_args, tier=args.tier, max_memory=args.max_memory, **load_kwargs)
+        if (cache := expert_cache(loaded[0])) is not None:
+            caches.append(cache)
+        return loaded
+
+    try:
+        run_tool(args.mlx_lm_tool, args.tool_argv, loader=loader)
+    finally:
+        for cache in caches:
+            print(cache.stats.describe(), file=sys.stderr)
     return 0

@@ -43,6 +43,8 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server, load_processor
 
 from .errors import ModelNotFoundError, ServerBusyError, SquishError
+from .load.budget import files_bytes
+from .load.experts import expert_cache
 from .npydir import NpyDir, is_npydir
 from .tiers.base import runtime_bytes
 
@@ -147,7 +149,9 @@ def iso(t: float) -> str:
 
 
 def model_nbytes(model: Any) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    """A model's memory: its parameters, and the cache of a model whose experts are streamed (--max-memory)."""
+    cache = expert_cache(model)
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters())) + (cache.capacity if cache else 0)
 
 
 class ModelManager:
@@ -314,10 +318,7 @@ def expected_nbytes(path: str) -> int:
     tier holds, at most), another model's files on disk (0 for a repo id not downloaded yet)."""
     if is_npydir(path):
         return runtime_bytes(NpyDir(path))
-    root = Path(path)
-    if root.is_file():
-        return root.stat().st_size
-    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+    return files_bytes(path)
 
 
 def gb(nbytes: int) -> str:

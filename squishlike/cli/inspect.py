@@ -57,6 +57,10 @@ def summary(report: dict) -> list[str]:
         lines.append(f"  {'tiers' if i == 0 else '':12}  {name:10} {size:>10}  {policy:9}  {tier['state']}")
     lines.append(f"  {'':12}  {'cold':10} {'':>10}  {'':9}  always ready: dequantizes the store")
     lines.append(f"  load takes    {report['load']['tier']}: {report['load']['reason']}")
+    memory = report["memory"]
+    lines.append(f"  memory        {megabytes(memory['resident_load'])} loaded whole" + (
+        f"; {megabytes(memory['experts'])} of it in {memory['expert_stacks']} expert stacks, streamed from the "
+        f"store under a max_memory of {megabytes(memory['least_max_memory'])} or more" if memory["experts"] else ""))
     key_width = max(map(len, report["rank_caches"]), default=0)  # layout keys grow with the split
     for i, (key, share) in enumerate(report["rank_caches"].items()):
         size = megabytes(share["bytes"])

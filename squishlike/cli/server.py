@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 from pathlib import Path
 
 from ..mlx_lm_tools import add_tool_arguments
@@ -18,24 +17,15 @@ HELP = "mlx_lm's OpenAI-compatible HTTP server with model management, loading th
 MLX_LM_TOOL = "server"
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "8GB", "512MB", "8G" or a plain number (powers of ten, as mlx_lm's --prompt-cache-bytes)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", text.strip().upper())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 8GB or 512MB")
-    return int(float(match[1]) * 1000 ** " KMGT".index(match[2] or " "))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_tool_arguments(parser)
+    add_tool_arguments(parser, "memory budget of the resident models, e.g. 8GB; the least recently used idle model "
+                       "is unloaded to make room (default: half the physical memory); a mixture of experts larger "
+                       "than it alone keeps its experts in the store, in a cache of the bytes left")
     parser.add_argument("--model-dir", type=Path, action="append", metavar="DIR",
                         help="serve the models directly under DIR, by name (repeatable); the server writes tier "
                         "caches only into these and --model")
     parser.add_argument("--allow-hub", action="store_true",
                         help="also serve Hugging Face repo ids a request names (downloaded into the HF cache)")
-    parser.add_argument("--max-memory", type=parse_size, metavar="BYTES",
-                        help="memory budget of the resident models, e.g. 8GB; the least recently used idle model "
-                        "is unloaded to make room (default: half the physical memory)")
     parser.add_argument("--keep-alive", default="5m", metavar="DURATION",
                         help="unload a model idle this long (seconds, or 30s, 5m, 1h; negative: never); a "
                         "request's keep_alive field sets it for its model")
@@ -54,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                             keep_alive=parse_duration(args.keep_alive), preload=args.preload)
     if args.max_memory is not None:
         options.max_memory = args.max_memory
-    loader = functools.partial(load, tier=args.tier)
+    loader = functools.partial(load, tier=args.tier, max_memory=args.max_memory)
     for directory in options.model_dirs:
         if not directory.is_dir():
             raise FileNotFoundError(f"{directory}: --model-dir is not a directory")
