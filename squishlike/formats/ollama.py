@@ -234,7 +234,7 @@ class OllamaReader(FormatReader):
         """Check a blob against its digest, once per reader."""
         if blob in self._verified:
             return
-        actual = file_checksum(blob)
+        actual = file_checksum(blob, self.root)
         if actual != self._digests[blob]:
             raise IntegrityError(blob, f"sha256 is {actual}, the manifest's digest is sha256:{self._digests[blob]}")
         self._verified.add(blob)
