@@ -308,7 +308,7 @@ def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressO
             try:
                 calibrator.restore(found[1], found[2], resume.state_path(tmp, found[0]))
             except FormatError as e:  # checked before any of it is taken: the calibrator is as new
-                print(f"compress: not going on from {tmp}: {e}; starting over", file=sys.stderr)
+                print(f"compress: not going on from a killed run: {e}; starting over", file=sys.stderr)
                 found = None
         if found is not None:
             start = found[0]

@@ -73,7 +73,7 @@ def open_writer(tmp: Path, runtime: str, out: Path, key: str) -> NpyDirWriter:
             if writer.tensors:
                 return writer
         except JournalError as e:
-            print(f"compress: not going on from {tmp}: {e}; starting over", file=sys.stderr)
+            print(f"compress: not going on from a killed run: {e}; starting over", file=sys.stderr)
         remove_inside(tmp, out.parent)
     tmp.mkdir()
     fault_point(f"mkdtemp:{out.name}")
@@ -133,7 +133,7 @@ def latest(writer: NpyDirWriter, units: list[list[str]]) -> tuple[int, dict, dic
               file=sys.stderr)
         return None
     except (FormatError, ValueError, OSError) as e:  # ValueError: an npz that is no zip
-        print(f"compress: not going on from {directory}: {e}; starting over", file=sys.stderr)
+        print(f"compress: not going on from a killed run: {e}; starting over", file=sys.stderr)
         return None
     return k, state, arrays
 
