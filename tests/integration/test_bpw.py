@@ -25,6 +25,7 @@ from squishlike.calibration.decision import GPTQ_REASON
 from squishlike.errors import BudgetError, FormatError, IntegrityError
 from squishlike.npydir import NpyDir
 from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
+from support.watch import Watch, needs_inotify
 
 FAST = {"gptq": False, "calibration_max_tokens": 256}  # the measure and the plan, without GPTQ's time
 
@@ -193,6 +194,24 @@ def test_a_malformed_sensitivity_record_is_a_format_error_naming_the_manifest(ll
         return
     with pytest.raises(FormatError, match=f"{bad / 'manifest.json'}: {problem}"):
         squishlike.compress(src, tmp_path / "out", bpw=5.5, sensitivity_from=bad, **FAST)
+    assert not (tmp_path / "out").exists()
+
+
+@needs_inotify
+def test_a_pack_linked_out_of_the_store_is_refused_before_it_is_opened(llama_at_4_5, tmp_path):
+    """Issue 44: `sensitivity_from` hashes the store's packs before copying from them: a pack that is a link to
+    the very same bytes outside is refused naming it, and nothing outside is opened (the kernel watches)."""
+    src, first = llama_at_4_5
+    linked = shutil.copytree(first, tmp_path / "linked")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    pack = sorted((linked / "tensors").glob("pack-*.safetensors"))[1]
+    shutil.move(pack, outside / pack.name)
+    pack.symlink_to(outside / pack.name)
+    watch = Watch(outside)
+    with pytest.raises(FormatError, match=f"{pack}: is a symbolic link"):
+        squishlike.compress(src, tmp_path / "out", bpw=5.5, sensitivity_from=linked)
+    assert watch.events() == []
     assert not (tmp_path / "out").exists()
 
 
