@@ -243,7 +243,7 @@ class OllamaReader(FormatReader):
         if CONFIG not in self._json_layers:
             raise FormatError(self.path, f"has no {CONFIG} layer")
         self._verify(self._json_layers[CONFIG])
-        config = read_json(self._json_layers[CONFIG])
+        config = read_json(self._json_layers[CONFIG], self.root)
         if not isinstance(config, dict):
             raise FormatError(self._json_layers[CONFIG], f"the {CONFIG} layer is not a JSON object")
         return config
