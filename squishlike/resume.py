@@ -17,6 +17,7 @@ does not record is removed (`finish`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -53,7 +54,8 @@ def partial_dir(out: Path, key: str) -> Path:
     mine = out.parent / f".{out.name}.partial-{key[:16]}"
     for other in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
         if other != mine:
-            remove_inside(other, out.parent)
+            with contextlib.suppress(OSError):  # one that cannot be removed is left, as before
+                remove_inside(other, out.parent)
     return mine
 
 
