@@ -7,8 +7,8 @@ nothing that looks like a model. Two runs aimed at one OUT: the second fails at 
 
 from __future__ import annotations
 
+import contextlib
 import math
-import shutil
 import sys
 import time
 import warnings
@@ -25,7 +25,7 @@ from .compress_options import (ERROR_LIMITS, CompressOptions, choose_scheme, def
                                source_dtype, weight_kinds)
 from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
-from .errors import AccuracyGateError, OutputExistsError, QuantizationError
+from .errors import AccuracyGateError, FormatError, OutputExistsError, QuantizationError
 from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir, source_fingerprint
 from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
@@ -33,6 +33,7 @@ from .provider import WeightProvider
 from . import resume
 from .io.atomic import publish_dir, sweeping_temps
 from .io.fault import fault_point
+from .io.files import remove_inside
 from .io.lock import exclusive
 from .options import checks_options
 
@@ -178,13 +179,13 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
         with (exclusive(out.parent, f"compressing into {out.name}", name=f".{out.name}.squishlike-lock"),
               sweeping_temps(out.parent, out.name)):
             _check_output(out, opts.force)  # it may have appeared while we waited
-            tmp = resume.partial_dir(out, {"source": source_fingerprint(Path(provider.reader.path)),
-                                           "options": asdict(opts)})
+            key = resume.key_digest(source_fingerprint(Path(provider.reader.path)), asdict(opts))
+            tmp = resume.partial_dir(out, key)
             try:
-                writer, plan = _write_store(provider, tmp, out, opts)
+                writer, plan = _write_store(provider, tmp, out, opts, key)
                 if opts.scheme == "int3":
                     _gate_int3(provider, writer, out, opts, plan)
-                resume.clear(tmp)
+                resume.finish(tmp, writer.manifest)
                 publish_dir(tmp, out)
             except KeyboardInterrupt:
                 if tmp.is_dir():
@@ -192,7 +193,8 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
                           "on from there", file=sys.stderr)
                 raise
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                with contextlib.suppress(OSError, FormatError):
+                    remove_inside(tmp, out.parent)
                 raise
         dtype = source_dtype(provider)
         source_bytes = sum(t.nbytes for t in provider.reader.tensors().values())
@@ -281,15 +283,16 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions):
-    """Quantize every tensor of the source into the npy-dir at `tmp` (compress's directory for `out`), one block after another (calibrating each
-    first when the options ask for it), going on from the last finished block of a killed run into `tmp`; returns
-    its writer, the manifest written, and the calibration plan (None without calibration)."""
+def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions, key: str):
+    """Quantize every tensor of the source into the npy-dir at `tmp` (compress's directory for `out`), one block
+    after another (calibrating each first when the options ask for it), going on from the last finished block of a
+    killed run of the same `key` (resume.key_digest) into `tmp`; returns its writer, the manifest written, and the
+    calibration plan (None without calibration)."""
     from .model import new_model, parameter_shapes  # imports mlx_lm
 
     runtime = opts.dtype or runtime_dtype(provider)
     infos = provider.reader.tensors()
-    writer = resume.open_writer(tmp, runtime, out)
+    writer = resume.open_writer(tmp, runtime, out, key)
     side_files = provider.write_side_files(tmp)  # first: what a load would refuse in them costs no tensor work
     tokenizer_files = _tokenizer_files(tmp)
     try:
@@ -300,15 +303,20 @@ def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressO
         plan = calibrator.plan if calibrator is not None else None
         units = calibrator.units() if calibrator is not None else resume.block_units(provider.names())
         start = 0
-        if writer.tensors and (found := resume.latest(tmp, [names for _, names in units], set(writer.tensors))):
-            start, state, arrays = found
-            if calibrator is not None:
-                calibrator.restore(state, arrays)
+        found = resume.latest(writer, [names for _, names in units]) if writer.tensors else None
+        if found is not None and calibrator is not None:
+            try:
+                calibrator.restore(found[1], found[2], resume.state_path(tmp, found[0]))
+            except FormatError as e:  # checked before any of it is taken: the calibrator is as new
+                print(f"compress: not going on from a killed run: {e}; starting over", file=sys.stderr)
+                found = None
+        if found is not None:
+            start = found[0]
             print(f"compress: going on from {units[start - 1][0]} of a killed run ({tmp})", file=sys.stderr)
         elif writer.tensors:  # nothing to go on from: start over
             tokenizer_files.result()
-            shutil.rmtree(tmp)
-            writer = resume.open_writer(tmp, runtime, out)
+            remove_inside(tmp, out.parent)
+            writer = resume.open_writer(tmp, runtime, out, key)
             side_files = provider.write_side_files(tmp)
             tokenizer_files = _tokenizer_files(tmp)
         done_bytes = sum(infos[provider.source_name(n)].nbytes
@@ -331,9 +339,9 @@ def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressO
                     pipeline.drain()
                     if calibrator is not None:
                         calibrator.done(k)
-                    resume.save(tmp, k + 1, *(calibrator.state() if calibrator is not None else ({}, {})))
+                    saved = resume.save(tmp, k + 1, *(calibrator.state() if calibrator is not None else ({}, {})))
                     fault_point(f"compress-unit:{k}")
-                    writer.checkpoint()
+                    writer.checkpoint(saved)
                     resume.forget_before(tmp, k + 1)
             finally:
                 pipeline.close()

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -409,21 +410,22 @@ def load_files_parallel(open_file: Callable[[str, mx.Stream], dict[str, mx.array
     return arrays
 
 
-def prefetch(paths: list, sample: int = 16) -> threading.Thread | None:
+def prefetch(paths: list, root: Path | None, sample: int = 16) -> threading.Thread | None:
     """Files not (all) in the page cache: ask the kernel to read them ahead, from a background thread, so the disk
     streams at full speed while the loaders copy. Cached files: nothing to do (probing costs a few preads).
 
     Of many files (a store's hundreds of parts, written and read together) only `sample` evenly spread ones are
-    probed: probing each cost more than loading SmolLM2's 692 cached parts; if any is out, all are advised."""
+    probed: probing each cost more than loading SmolLM2's 692 cached parts; if any is out, all are advised. Each is
+    opened from `root` (the store) with no link followed (files.open_regular)."""
     probed = paths if len(paths) <= sample else [paths[i * len(paths) // sample] for i in range(sample)]
-    cold = [p for p in probed if not _cached(p)]
+    cold = [p for p in probed if not _cached(p, root)]
     if not cold:
         return None
     cold = cold if len(paths) <= sample else paths
 
     def advise() -> None:
         for p in cold:
-            with contextlib.suppress(OSError, FormatError), open_regular(p) as f:  # never a FIFO: it would block
+            with contextlib.suppress(OSError, FormatError), open_regular(p, root) as f:  # no link, never a FIFO
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
 
     thread = threading.Thread(target=advise, name="squishlike-readahead", daemon=True)
@@ -431,13 +433,13 @@ def prefetch(paths: list, sample: int = 16) -> threading.Thread | None:
     return thread
 
 
-def _cached(path, probes: int = 8) -> bool:
+def _cached(path, root: Path | None, probes: int = 8) -> bool:
     """Whether a few evenly spread pages of the file are in the page cache (RWF_NOWAIT reads fail if not)."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:
         return True
     try:
-        f = open_regular(path)  # never a FIFO: it would block
+        f = open_regular(path, root)  # no link followed below `root`, never a FIFO: it would block
     except (OSError, FormatError):
         return True
     with f:

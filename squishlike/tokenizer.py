@@ -168,8 +168,11 @@ def facts_key(directory: Path, tokenizer_config_extra: dict[str, Any] | None, eo
     """A hash of everything mlx_lm's result depends on: the tokenizer files, the load's arguments, the versions."""
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
-        path = directory / name
-        h.update(f"{name}:{file_checksum(path) if path.is_file() else '-'};".encode())
+        try:
+            digest = file_checksum(directory / name, directory)
+        except FormatError:  # absent, a link, not a regular file: never read
+            digest = "-"
+        h.update(f"{name}:{digest};".encode())
     versions = [mlx_lm.__version__, transformers.__version__, tokenizers.__version__]
     arguments = [tokenizer_config_extra or {}, eos_token_ids, versions]
     h.update(json.dumps(arguments, sort_keys=True, default=repr).encode())

@@ -176,10 +176,34 @@ class Calibrator:
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl}, arrays
 
-    def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        """Go on from `state` (what `state()` saved after the units a killed compress had written)."""
-        self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], state["promote"]
-        self.plan.group_sizes = state.get("group_sizes", {})  # a checkpoint from before group sizes were planned
+    def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray], where: Path) -> None:
+        """Go on from `state` (what `state()` saved after the units a killed compress had written, in `where`).
+        Everything is checked before any of it is taken: FormatError naming `where` when it is not what `state()`
+        saves (a scheme no store has, hidden states of another shape), and the calibrator is then as it was."""
+        promote, group_sizes = state.get("promote"), state.get("group_sizes", {})
+        problem = None
+        if not all(isinstance(state.get(k), dict) for k in ("record", "awq")) or not isinstance(promote, dict) \
+                or not isinstance(group_sizes, dict) or not isinstance(state.get("gptq_tensors"), list) \
+                or not isinstance(state.get("stopped"), (str, type(None))) \
+                or not isinstance(state.get("reference_ppl"), (int, float, type(None))):
+            problem = "is not a saved calibration state"
+        elif bad := [s for s in promote.values() if not isinstance(s, str) or s not in SCHEMES]:
+            problem = f"plans scheme {bad[0]!r}, which no store has"
+        elif any(not isinstance(g, int) or g not in PLAN_GROUP_SIZES for g in group_sizes.values()):
+            problem = "plans a group size no store has"
+        hidden = self.runner.hidden if self.runner is not None else []
+        for key, value in arrays.items():
+            kind, _, name = key.partition(".")
+            if kind == "hidden":
+                w = int(name) if name.isdigit() else -1
+                if not 0 <= w < len(hidden) or value.shape != tuple(hidden[w].shape) or value.dtype != np.float32:
+                    problem = problem or f"holds hidden states {key} {value.dtype}{list(value.shape)}, not this run's"
+            elif kind not in ("col", "row") or value.dtype.kind != "f" or value.ndim != 1:
+                problem = problem or f"holds {key!r}, which calibration never saves"
+        if problem is not None:
+            raise FormatError(where, problem)
+        self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], promote
+        self.plan.group_sizes = group_sizes  # a checkpoint from before group sizes were planned has none
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
         self.expert_stacks, self.gptq_left_out = set(state.get("expert_stacks", ())), state.get("gptq_left_out", {})
         self.plan.reference_ppl = state["reference_ppl"]
@@ -366,35 +390,42 @@ class Calibrator:
             f"({', '.join(f'{n} {s}' for s, n in sorted(report['counts'].items()))})")
 
     def _measured_elsewhere(self) -> None:
-        """The widths planned from the sensitivities a store of the same source kept (`sensitivity_from`)."""
+        """The widths planned from the sensitivities a store of the same source kept (`sensitivity_from`).
+        FormatError naming the store's manifest when it was made from another source (by content: its
+        fingerprint), keeps no sensitivities, or keeps a record that is not one."""
         store = NpyDir(self.opts.sensitivity_from)
         where = store.path / MANIFEST
         if store.manifest.source.fingerprint != source_fingerprint(Path(self.provider.reader.path)):
-            raise ValueError(f"{where}: its sensitivities were measured on another source (or the source has "
-                             f"changed since): compress without sensitivity_from")
-        kept = store.manifest.extra.get("bpw", {}).get("sensitivity")
+            raise FormatError(where, "its sensitivities were measured on another source (or the source has changed "
+                                     "since): compress without sensitivity_from")
+        bpw = store.manifest.extra.get("bpw")
+        kept = bpw.get("sensitivity") if isinstance(bpw, dict) else None
         if not isinstance(kept, dict) or not kept:
-            raise ValueError(f"{where}: keeps no sensitivities (it was not compressed with bpw)")
+            raise FormatError(where, "keeps no sensitivities (it was not compressed with bpw)")
         shapes, losses, quantizers = {}, {}, {}
         try:
             for name, entry in kept.items():
                 shapes[name] = rows_cols(self.source.shape(name))
                 if self.source.quantizer_for(name) is None:
-                    raise ValueError(f"{where}: its sensitivities were measured with other options ({name} is "
-                                     "not quantized with these): compress without sensitivity_from")
+                    raise FormatError(where, f"its sensitivities were measured with other options ({name} is not "
+                                             "quantized with these): compress without sensitivity_from")
                 losses[name] = tuple(float(v) for v in entry["losses"])
+                if not all(math.isfinite(v) for v in losses[name]):
+                    raise ValueError(f"{name}'s losses are not all finite numbers")
                 # A record written before group sizes were chosen measured every width at the store's
                 groups = entry.get("group_sizes", [store.manifest.group_size] * len(entry["schemes"]))
                 quantizers[name] = [self._kept_quantizer(s, g, shapes[name][1])
                                     for s, g in zip(entry["schemes"], groups)]
                 if not len(losses[name]) == len(groups) == len(quantizers[name]):
                     raise TypeError(f"{name}'s schemes, group sizes and losses differ in number")
-        except (KeyError, TypeError) as e:
+        except FormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise FormatError(where, f"bad sensitivity record ({type(e).__name__}: {e})") from None
         self._plan_widths(shapes, quantizers, losses)
         self.plan.record["bpw"]["measured_in"] = str(store.path)
-        awq = store.manifest.extra.get("awq", {})
-        if awq.get("applied") and isinstance(awq.get("groups"), dict):
+        awq = store.manifest.extra.get("awq")
+        if isinstance(awq, dict) and awq.get("applied") and isinstance(awq.get("groups"), dict):
             for group, found in awq["groups"].items():
                 alpha = found.get("alpha") if isinstance(found, dict) else None
                 if not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:

@@ -44,7 +44,7 @@ class NpyDirReader(FormatReader):
         return Path(path).is_dir() and is_npydir(path)
 
     def config(self) -> dict:
-        return read_json(self.path / "config.json")
+        return read_json(self.path / "config.json", self.path)
 
     def tensors(self) -> dict[str, TensorInfo]:
         return {

@@ -234,7 +234,7 @@ class OllamaReader(FormatReader):
         """Check a blob against its digest, once per reader."""
         if blob in self._verified:
             return
-        actual = file_checksum(blob)
+        actual = file_checksum(blob, self.root)
         if actual != self._digests[blob]:
             raise IntegrityError(blob, f"sha256 is {actual}, the manifest's digest is sha256:{self._digests[blob]}")
         self._verified.add(blob)
@@ -243,7 +243,7 @@ class OllamaReader(FormatReader):
         if CONFIG not in self._json_layers:
             raise FormatError(self.path, f"has no {CONFIG} layer")
         self._verify(self._json_layers[CONFIG])
-        config = read_json(self._json_layers[CONFIG])
+        config = read_json(self._json_layers[CONFIG], self.root)
         if not isinstance(config, dict):
             raise FormatError(self._json_layers[CONFIG], f"the {CONFIG} layer is not a JSON object")
         return config

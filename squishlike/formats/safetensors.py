@@ -254,7 +254,7 @@ def find_weights(directory: Path) -> tuple[list[Path], dict[str, Path] | None]:
     if not os.path.lexists(index):
         single = directory / SINGLE_FILE
         return ([single] if single.is_file() else sorted(directory.glob("model*.safetensors"))), None
-    weight_map = read_json(index)
+    weight_map = read_json(index, directory)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError(index, "has no weight_map of tensor name -> shard file")

@@ -10,13 +10,15 @@ import glob
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from .fault import fault_point
-from .files import open_regular
+from ..errors import FormatError
+from .files import open_regular, plain_tree
 from .stream import StreamWriter
 
 _COPY_CHUNK = 1 << 20
@@ -180,10 +182,16 @@ def publish_dir(tmp: Path, final: Path) -> None:
     Replacing is one atomic exchange where the OS offers it (Linux, macOS), so a crash at any moment leaves the
     old directory or the new one at `final`, never neither: `compress --force` cannot lose the model it replaces.
     Elsewhere it takes two renames, between which `final` is briefly absent, never partial.
+
+    `tmp` must be a directory holding only directories and regular files: a link in it (or `tmp` itself a link)
+    is a FormatError naming it, and nothing is published, so no link is ever published in or as `final`.
     """
-    for p in tmp.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
+    odd = tmp if not stat.S_ISDIR(os.lstat(tmp).st_mode) else plain_tree(tmp)
+    if odd is not None:
+        raise FormatError(odd, "is not a regular file or directory; not published")
+    for here, _, files in os.walk(tmp):
+        for name in files:
+            with open_regular(Path(here) / name, tmp) as f:
                 os.fsync(f.fileno())
     fsync_dir(tmp)
     fault_point(f"before-publish:{final.name}")

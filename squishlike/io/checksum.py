@@ -41,20 +41,25 @@ class Digests:
         return {name: h.hexdigest() for name, h in self._hashers.items()}
 
 
-def file_digests(path: Path, names: Iterable[str] = HASHES) -> dict[str, str]:
-    """The hex digests `names` of a file's bytes, read once in big chunks."""
+def file_digests(path: Path, names: Iterable[str] = HASHES, root: Path | None = None) -> dict[str, str]:
+    """The hex digests `names` of a file's bytes, read once in big chunks; with `root`, the file is opened from it
+    with no link followed (files.open_regular)."""
+    with open_regular(path, root) as f:
+        return _digests(f, names)
+
+
+def _digests(f, names: Iterable[str]) -> dict[str, str]:
     digests = Digests(names)
-    with open_regular(path) as f:
-        buf = bytearray(min(CHUNK, max(1, os.fstat(f.fileno()).st_size)))  # zeroing 16 MiB per small file is slow
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            digests.update(view[:n])
+    buf = bytearray(min(CHUNK, max(1, os.fstat(f.fileno()).st_size)))  # zeroing 16 MiB per small file is slow
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        digests.update(view[:n])
     return digests.hexdigests()
 
 
-def file_checksum(path: Path) -> str:
-    """The hex SHA-256 of a file's bytes."""
-    return file_digests(path, (CHECKSUM,))[CHECKSUM]
+def file_checksum(path: Path, root: Path | None = None) -> str:
+    """The hex SHA-256 of a file's bytes (opened from `root` with no link followed, when given)."""
+    return file_digests(path, (CHECKSUM,), root)[CHECKSUM]
 
 
 def file_record(path: Path) -> dict:
@@ -70,20 +75,21 @@ def hashes_to_check(record: dict, every: bool = False) -> list[str]:
     return [name for name in HASHES if name in record] or [CHECKSUM]
 
 
-def file_problem(path: Path, record: dict, every: bool = False) -> str | None:
-    """What is wrong with `path` against its record (None: nothing); `every`: see hashes_to_check."""
+def file_problem(path: Path, record: dict, every: bool = False, root: Path | None = None) -> str | None:
+    """What is wrong with `path` against its record (None: nothing); `every`: see hashes_to_check. With `root`, the
+    file is opened from it with no link followed, and a link, a FIFO or a device is itself the problem, found
+    before a byte is read."""
     try:
-        size = os.stat(path).st_size
-        if size != record.get("size"):
-            return f"size {size}, expected {record.get('size')}"
-        names = hashes_to_check(record, every)
-        actual = file_digests(path, names)
+        with open_regular(path, root) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != record.get("size"):
+                return f"size {size}, expected {record.get('size')}"
+            names = hashes_to_check(record, every)
+            actual = _digests(f, names)
         for name in names:
             if actual[name] != record.get(name):
                 return f"{name} differs from the recorded checksum"
-    except FileNotFoundError:
-        return "missing"
-    except FormatError as e:  # not a regular file
+    except FormatError as e:  # missing, a link, not a regular file
         return e.problem
     except OSError as e:
         return f"unreadable ({e.strerror})"
@@ -91,11 +97,11 @@ def file_problem(path: Path, record: dict, every: bool = False) -> str | None:
 
 
 def file_problems(root: Path, files: dict[str, dict], every: bool = False, threads: int | None = None) -> dict[Path, str]:
-    """Every recorded file under `root` that is not what its record says, with what is wrong; `threads` files at
-    once (default: one per core)."""
+    """Every recorded file under `root` that is not what its record says, with what is wrong (each opened from
+    `root` with no link followed); `threads` files at once (default: one per core)."""
     paths = [Path(root) / rel for rel in files]
     with ThreadPoolExecutor(max(1, min(len(paths), threads or os.cpu_count() or 1))) as pool:
-        found = pool.map(file_problem, paths, files.values(), [every] * len(paths))
+        found = pool.map(file_problem, paths, files.values(), [every] * len(paths), [Path(root)] * len(paths))
         return {p: problem for p, problem in zip(paths, found) if problem is not None}
 
 

@@ -55,7 +55,7 @@ def read_sentinel(path: Path, manifest_fingerprint: str) -> tuple[dict | None, s
     if path.is_symlink():
         return None, f"{path.name}: {LINK}"
     try:
-        payload = json.loads(read_bytes(path))
+        payload = json.loads(read_bytes(path, path.parent))  # O_NOFOLLOW: a link swapped in since is refused
     except FormatError as e:  # a FIFO, a device: never opened
         return None, e.problem
     except (ValueError, RecursionError):  # ValueError: bad JSON, bad UTF-8, a 5000-digit number

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import threading
@@ -46,14 +47,19 @@ class StreamWriter:
         self._hash = Digests()
         self.size = 0
         self._error: BaseException | None = None
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        # Always a new file (a fresh temp name, or a name in a directory being built): a link or a hard link planted
+        # at its name is never written through or truncated
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         self.direct = hasattr(os, "O_DIRECT") and switch("SQUISHLIKE_DIRECT_IO")
         self._fd = -1
         if self.direct:
             try:
                 self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
-            except OSError:
-                self.direct = False
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ELOOP):
+                    raise
+                self.direct = False  # a filesystem refusing O_DIRECT may have created the file first: ours
+                flags = (flags & ~os.O_EXCL) | os.O_TRUNC
         if self._fd < 0:
             self._fd = os.open(path, flags, 0o644)
         self._pending: list = []  # hash queue: buffers not hashed yet, in order

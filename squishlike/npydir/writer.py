@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from ..dtypes import MX_DTYPES, NP_STORAGE, to_mx, to_numpy
 from ..errors import FormatError, JournalError
 from ..formats.safetensors import Tensor, write_safetensors
 from ..io.atomic import fsync_dir, write_json
-from ..io.checksum import file_record
-from ..io.files import open_regular, read_json_object
+from ..io.checksum import file_problems, file_record
+from ..io.files import open_regular, plain_tree, read_json_object, remove_inside
 from .manifest import (FORMAT_VERSION, MANIFEST, TENSORS, FileRecord, Manifest, PartRecord, Policy, Source,
                        TensorEntry, check_packs, pack_layout)
 from .packs import alignment, block_of, file_order, pack_name
@@ -45,9 +45,11 @@ class NpyDirWriter:
     """Writes an npy-dir into `path`: each tensor's parts as they come (add_tensor), the side files' records
     (add_side_files), then the manifest (write_manifest), which may be updated after (record_int3_gate)."""
 
-    def __init__(self, path: str | Path, runtime_dtype: str):
+    def __init__(self, path: str | Path, runtime_dtype: str, seal: Callable[[dict], str] | None = None):
         self.path = Path(path)
         self.runtime_dtype = runtime_dtype
+        self.seal = seal  # a digest of a journal, for its checkpoints (resume.seal), or None
+        self.resumed: Any = None  # what the journal a writer was reopened from records of its caller (`checkpoint`)
         self.tensors: dict[str, TensorEntry] = {}  # canonical name -> entry, in the order they were added
         self.packs: dict[str, FileRecord] = {}  # each pack written -> its record
         self.side_files: dict[str, FileRecord] = {}
@@ -104,9 +106,10 @@ class NpyDirWriter:
         self._unsynced.append(self.path / rel)
         self._pending, self._pending_block, self._pending_bytes = [], None, 0
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, resume: Any = None) -> None:
         """Make every tensor added so far durable: its pack written and fsynced, and the journal (atomically
-        replaced) recording them, so that `reopen` after a crash continues from here. Compress calls it after each
+        replaced) recording them and `resume` (what the caller needs to go on: `resumed` after `reopen`), sealed by
+        the writer's `seal`, so that `reopen` after a crash continues from here. Compress calls it after each
         block."""
         self._write_pack()
         for path in self._unsynced:
@@ -115,28 +118,37 @@ class NpyDirWriter:
         if self._unsynced:
             fsync_dir(self.path / TENSORS)
         self._unsynced = []
-        write_json(self.path / JOURNAL, {
+        journal = {
             "journal_version": JOURNAL_VERSION,
             "format_version": FORMAT_VERSION,
             "runtime_dtype": self.runtime_dtype,
             "packs": {rel: record.to_json() for rel, record in self.packs.items()},
             "tensors": {name: entry.to_json() for name, entry in self.tensors.items()},
-        }, indent=None)
+            "resume": resume,
+        }
+        if self.seal is not None:
+            journal["seal"] = self.seal(journal)
+        write_json(self.path / JOURNAL, journal, indent=None)
 
     @classmethod
-    def reopen(cls, path: str | Path, runtime_dtype: str) -> NpyDirWriter:
+    def reopen(cls, path: str | Path, runtime_dtype: str, seal: Callable[[dict], str] | None = None) -> NpyDirWriter:
         """A writer over the directory an interrupted writer left: it holds exactly the tensors of its last
         checkpoint (`tensors`), every file in `tensors/` written after that checkpoint is deleted, and adding
-        continues into the next pack. JournalError naming the journal when there is none, or when it is unreadable
-        or disagrees with the directory (a pack missing, of another size or layout): the caller starts over."""
+        continues into the next pack. JournalError naming the journal when there is none, or when it is unreadable,
+        not sealed by `seal` (when given), or disagrees with the directory (a link or a FIFO in it, a pack missing,
+        of another size or layout, or whose bytes do not hash to its record): the caller starts over."""
         path = Path(path)
         journal = path / JOURNAL
+        if (odd := plain_tree(path)) is not None:
+            raise JournalError(odd, "is not a regular file or directory: the directory is not a writer's")
         if not os.path.lexists(journal):
             raise JournalError(journal, "is missing: the writer never reached a checkpoint")
         try:
             raw = read_json_object(journal, path)
         except FormatError as e:
             raise JournalError(journal, e.problem) from None
+        if seal is not None and raw.pop("seal", None) != seal(raw):
+            raise JournalError(journal, "is not sealed for this run (another source or options, or edited)")
         if raw.get("journal_version") != JOURNAL_VERSION or raw.get("format_version") != FORMAT_VERSION:
             raise JournalError(journal, f"was written by another version of the writer (journal "
                                         f"{raw.get('journal_version')!r}, format {raw.get('format_version')!r})")
@@ -150,20 +162,15 @@ class NpyDirWriter:
             raise JournalError(journal, f"is inconsistent ({type(e).__name__}: {e})") from None
         if list(packs) != [pack_name(i) for i in range(len(packs))]:
             raise JournalError(journal, "does not list the packs in the order they are written")
-        for rel, record in packs.items():  # durable at the checkpoint: anything else is a damaged directory
-            try:
-                size = (path / rel).stat().st_size
-            except OSError as e:
-                raise JournalError(journal, f"records {rel}, which is unreadable ({e.strerror})") from None
-            if size != record.size:
-                raise JournalError(journal, f"records {rel} as {record.size} bytes; it is {size}")
+        # durable at the checkpoint, and hashed then: anything else is a damaged or planted directory
+        for pack, problem in file_problems(path, {rel: record.to_json() for rel, record in packs.items()}).items():
+            raise JournalError(journal, f"records {pack.relative_to(path)}, which differs: {problem}")
         for child in (path / TENSORS).iterdir():  # the packs (and temps) of the interrupted block
             if f"{TENSORS}/{child.name}" not in packs:
-                with contextlib.suppress(FileNotFoundError):
-                    child.unlink()
+                remove_inside(child, path)
         fsync_dir(path / TENSORS)
-        writer = cls(path, runtime_dtype)
-        writer.tensors, writer.packs = tensors, packs
+        writer = cls(path, runtime_dtype, seal)
+        writer.tensors, writer.packs, writer.resumed = tensors, packs, raw.get("resume")
         return writer
 
     def add_side_files(self, written: list[Path]) -> None:

@@ -56,7 +56,7 @@ class ColdTier(Tier):
         record's XXH3 (SHA-256 for a store written before XXH3 was recorded); with `verify`, every hash recorded."""
         store.check_part_sizes()  # before allocating from the manifest's shapes
         _check_fits_in_memory(store)
-        prefetch([store.path / rel for rel in store.part_files()])  # not in the page cache: read ahead
+        prefetch([store.path / rel for rel in store.part_files()], store.path)  # not in the page cache: read ahead
         with ThreadPoolExecutor(1, thread_name_prefix="squishlike-verify") as pool:
             checked = pool.submit(check_files, store.path, store.file_records(), verify)
             buffers, dense = _allocate(store, set(store.entries) if only is None else set(only))

@@ -53,7 +53,7 @@ class FinalizedTier(Tier):
             return math.prod(entry.shape) * itemsize, open_on
 
         paths = [store.path / _file(e) for e in store.entries.values()]
-        from_disk = not lazy and prefetch(paths) is not None
+        from_disk = not lazy and prefetch(paths, store.path) is not None
         loaded = load_each({names[n]: opener(e) for n, e in store.entries.items()}, lazy=lazy, from_disk=from_disk)
         return Loaded(loaded, store.config(), self.name)
 

@@ -57,7 +57,7 @@ def load_safetensors(path: Path, tensors: list[Tensor], root: Path | None = None
     check_layout(path, tensors, root, ALIGN)
     if not lazy and on_metal():
         return map_without_copy(path, tensors, root)
-    from_disk = not lazy and prefetch([path]) is not None
+    from_disk = not lazy and prefetch([path], root) is not None
     return load_parallel(lambda stream: mx.load(str(path), stream=stream), order=[t.name for t in tensors],
                          lazy=lazy, from_disk=from_disk)
 

@@ -29,5 +29,5 @@ def prepare_memory(store: NpyDir, tier: str | None = None, lazy: bool = False, p
         files, nbytes = plan.files(store), plan.nbytes(store)
     except (OSError, ValueError, KeyError):  # an unknown tier, an unreadable sentinel: load_weights says why
         return False
-    memory.prefetch(files)
+    memory.prefetch(files, store.path)
     return memory.reserve(nbytes) if nbytes else False

@@ -118,7 +118,7 @@ class QuantizedTier(Tier):
         names = mlx_names(store)
         parts = self._parts(store, names)  # format 2: each pack's header checked against the manifest here
         if not lazy:
-            prefetch(list(dict.fromkeys(part.path for part in parts.values())))
+            prefetch(list(dict.fromkeys(part.path for part in parts.values())), store.path)
         try:
             raw = _read_parts(store, parts, lazy)
             wrong = any(tuple(raw[key].shape) != part.stored_shape or raw[key].dtype != _AT_REST[part.stored]

@@ -8,6 +8,7 @@ measure's plumbing."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from squishlike.calibration.decision import GPTQ_REASON
 from squishlike.errors import BudgetError, FormatError, IntegrityError
 from squishlike.npydir import NpyDir
 from support.tiny_models import TINY_CONFIGS, make_hf_model, make_tokenizer
+from support.watch import Watch, needs_inotify
 
 FAST = {"gptq": False, "calibration_max_tokens": 256}  # the measure and the plan, without GPTQ's time
 
@@ -170,6 +172,61 @@ def test_a_second_size_with_other_rounding_options_copies_nothing(llama_at_4_5, 
                   if e.kind.quantized and earlier.manifest.tensors[n].scheme == e.scheme]
     assert same_width and all(not np.array_equal(second.load_part(n, "q4"), earlier.load_part(n, "q4"))
                               for n in same_width if second.manifest.tensors[n].scheme == "int4")
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: next(iter(m["bpw"]["sensitivity"].values())).update(losses=["much"] * 19), "bad sensitivity record"),
+    (lambda m: m["bpw"]["sensitivity"].update({"layers.0.attention.q.weight": "int4"}), "bad sensitivity record"),
+    (lambda m: m.update(bpw=["sensitivity"]), "keeps no sensitivities"),
+    (lambda m: m.update(awq=[{"applied": True}]), None),  # not a record of AWQ: no alphas are taken from it
+])
+def test_a_malformed_sensitivity_record_is_a_format_error_naming_the_manifest(llama_at_4_5, tmp_path, edit,
+                                                                               problem):
+    """Issue 44: a record that is not one ends in a FormatError naming the store's manifest, never a bare
+    ValueError or AttributeError; nothing is written."""
+    src, first = llama_at_4_5
+    bad = shutil.copytree(first, tmp_path / "bad")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    edit(manifest)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    if problem is None:
+        squishlike.compress(src, tmp_path / "out", bpw=5.5, sensitivity_from=bad, **FAST)
+        return
+    with pytest.raises(FormatError, match=f"{bad / 'manifest.json'}: {problem}"):
+        squishlike.compress(src, tmp_path / "out", bpw=5.5, sensitivity_from=bad, **FAST)
+    assert not (tmp_path / "out").exists()
+
+
+@needs_inotify
+def test_a_pack_linked_out_of_the_store_is_refused_before_it_is_opened(llama_at_4_5, tmp_path):
+    """Issue 44: `sensitivity_from` hashes the store's packs before copying from them: a pack that is a link to
+    the very same bytes outside is refused naming it, and nothing outside is opened (the kernel watches)."""
+    src, first = llama_at_4_5
+    linked = shutil.copytree(first, tmp_path / "linked")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    pack = sorted((linked / "tensors").glob("pack-*.safetensors"))[1]
+    shutil.move(pack, outside / pack.name)
+    pack.symlink_to(outside / pack.name)
+    watch = Watch(outside)
+    with pytest.raises(FormatError, match=f"{pack}: is a symbolic link"):
+        squishlike.compress(src, tmp_path / "out", bpw=5.5, sensitivity_from=linked)
+    assert watch.events() == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_another_source_with_the_same_names_sizes_and_mtimes_is_refused(llama_at_4_5, tmp_path):
+    """Issue 44: the source fingerprint is by content: another model whose files have the same names, sizes and
+    mtimes as the store's source is another source, and its tensors are not copied from the store."""
+    src, first = llama_at_4_5
+    other = make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], make_tokenizer(tmp_path / "tokenizer"), seed=7)
+    for p in src.iterdir():
+        assert (other / p.name).stat().st_size == p.stat().st_size
+        os.utime(other / p.name, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns))
+    assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in src.iterdir())
+    with pytest.raises(FormatError, match="measured on another source"):
+        squishlike.compress(other, tmp_path / "out", bpw=5.5, sensitivity_from=first, **FAST)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_damaged_store_to_copy_from_is_refused_and_nothing_is_written(llama_at_4_5, tmp_path):

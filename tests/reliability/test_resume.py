@@ -21,7 +21,7 @@ def cli_compress(src, out, *, fault: str | None = None, action: str = "kill", ex
     if fault:
         env.update(SQUISHLIKE_FAULT_AT=fault, SQUISHLIKE_FAULT_ACTION=action)
     return subprocess.run([sys.executable, "-m", "squishlike", "compress", str(src), "-o", str(out), *OPTIONS,
-                           *extra], env=env, capture_output=True, text=True)
+                           *extra], env=env, capture_output=True, text=True, timeout=180)  # a hang fails
 
 
 def written(out) -> dict:
@@ -68,3 +68,186 @@ def test_ctrl_c_keeps_the_finished_blocks_and_other_options_start_over(clean, tm
     assert other.returncode == 0, other.stderr
     assert "going on from" not in other.stderr and not partial.exists()
     assert "awq" not in json.loads((out / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------- issue 44
+# A killed compress's directory is not trusted: whatever was planted or edited in it, the run that goes on
+# touches nothing outside OUT's parent (inotify watches it: nothing opened, listed, written or deleted), never
+# publishes OUT as a link or with a link in it, and writes exactly the store a run never killed writes, going on
+# from the directory only where everything in it is what the journal records (and saying why it starts over).
+
+PLAIN = ["--scheme", "int8", "--no-awq", "--no-gptq"]  # no calibration: units are the blocks
+
+
+def plain_compress(src, out, **kwargs):
+    return cli_compress(src, out, extra=PLAIN, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain(clean, tmp_path_factory):
+    src, _ = clean
+    out = tmp_path_factory.mktemp("plain") / "clean"
+    done = plain_compress(src, out)
+    assert done.returncode == 0, done.stderr
+    return src, out
+
+
+def same_store(out, want) -> None:
+    """`out` is the store `want` is, byte for byte (its manifest but for when it was written), and holds nothing
+    else: no link, no stray file."""
+    from squishlike.io.files import plain_tree
+
+    assert not out.is_symlink() and plain_tree(out) is None
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert files == sorted(str(p.relative_to(want)) for p in want.rglob("*"))
+    for rel in files:
+        if rel != "manifest.json" and (want / rel).is_file():
+            assert (out / rel).read_bytes() == (want / rel).read_bytes(), rel
+    assert written_plain(out) == written_plain(want)
+
+
+def written_plain(out) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {k: manifest[k] for k in ("tensors", "packs", "side_files")}
+
+
+def _move_out(partial, rel, outside):
+    """`partial/rel` moved to `outside` and replaced by a link to it."""
+    target = outside / rel.replace("/", "_")
+    os.rename(partial / rel, target)
+    os.symlink(target, partial / rel)
+
+
+def _victims(partial, outside):
+    """`.resume-K.npz.tmp` for every K to come: links to a file outside, which a save through them would truncate."""
+    (outside / "victim").write_text("not the compress's")
+    for k in range(1, 8):
+        os.symlink(outside / "victim", partial / f".resume-{k}.npz.tmp")
+
+
+def _fifo_state(partial, outside):
+    state = sorted(partial.glob(".resume-*.json"))[0]
+    state.unlink()
+    os.mkfifo(state)
+
+
+def _stray(partial, outside):
+    (partial / "notes.txt").write_text("planted")
+    (partial / ".tmp-1-2-config.json").write_text("{}")
+    (partial / "tensors" / ".tmp-1-2-pack").write_text("x")
+
+
+def _flip_pack(partial, outside):
+    pack = partial / "tensors" / "pack-00001.safetensors"
+    data = bytearray(pack.read_bytes())
+    data[-1] ^= 0xFF
+    pack.write_bytes(bytes(data))
+
+
+def _swap_packs(partial, outside):
+    """Two packs of one layout (layers 0 and 1) swapped, with their journal records swapped too."""
+    a, b = (partial / "tensors" / f"pack-0000{i}.safetensors" for i in (1, 2))
+    os.rename(a, partial / "swap")
+    os.rename(b, a)
+    os.rename(partial / "swap", b)
+    journal = json.loads((partial / ".journal.json").read_text())
+    packs = journal["packs"]
+    ra, rb = (f"tensors/{p.name}" for p in (a, b))
+    packs[ra], packs[rb] = packs[rb], packs[ra]
+    (partial / ".journal.json").write_text(json.dumps(journal))
+
+
+TAMPERING = {
+    "partial-directory-is-a-link": lambda partial, outside: _move_out(partial.parent, partial.name, outside),
+    "tensors-is-a-link": lambda partial, outside: _move_out(partial, "tensors", outside),
+    "pack-is-a-link": lambda partial, outside: _move_out(partial, "tensors/pack-00000.safetensors", outside),
+    "state-file-is-a-link": lambda partial, outside: _move_out(
+        partial, sorted(p.name for p in partial.glob(".resume-*.json"))[0], outside),
+    "journal-is-a-link": lambda partial, outside: _move_out(partial, ".journal.json", outside),
+    "npz-temp-is-a-link": _victims,
+    "state-file-is-a-fifo": _fifo_state,
+    "stray-files": _stray,
+    "pack-bytes-flipped": _flip_pack,
+    "packs-swapped-with-their-records": _swap_packs,
+}
+
+
+@pytest.mark.parametrize("how", TAMPERING)
+def test_a_tampered_partial_directory_is_never_trusted(plain, tmp_path, how):
+    from support.watch import Watch, needs_inotify
+
+    if needs_inotify.args[0]:
+        pytest.skip(needs_inotify.kwargs["reason"])
+    src, want = plain
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    out = parent / "out"
+    killed = plain_compress(src, out, fault="compress-unit:3")
+    assert killed.returncode == -9, killed.stderr
+    [partial] = parent.glob(".out.partial-*")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    TAMPERING[how](partial, outside)
+    watch = Watch(outside)
+    try:
+        again = plain_compress(src, out)  # a FIFO read would block: cli_compress's timeout fails it
+    finally:
+        events = watch.events()
+    assert again.returncode == 0, again.stderr
+    assert events == []  # nothing outside opened, listed, written or deleted
+    same_store(out, want)
+    assert sorted(p.name for p in parent.iterdir()) == ["out"]
+    if how != "stray-files":  # (a stray file is removed, the finished blocks kept)
+        assert "starting over" in again.stderr and "compress: going on from" not in again.stderr
+
+
+def _state(partial, edit_json=None, edit_arrays=None):
+    import numpy as np
+
+    [state] = [p for p in partial.glob(".resume-*.json")
+               if int(p.name.split("-")[1].split(".")[0]) == json.loads(
+                   (partial / ".journal.json").read_text())["resume"]["units"]]
+    if edit_json is not None:
+        data = json.loads(state.read_text())
+        edit_json(data)
+        state.write_text(json.dumps(data))
+    if edit_arrays is not None:
+        npz = state.with_suffix(".npz")
+        with np.load(npz) as f:
+            arrays = {k: f[k] for k in f.files}
+        edit_arrays(arrays)
+        with open(npz, "wb") as f:
+            np.savez(f, **arrays)
+
+
+def _promote(scheme):
+    def edit(state):
+        state["promote"] = {"layers.2.ffn.down.weight": scheme}
+    return edit
+
+
+def _scale_hidden(arrays):
+    for k in arrays:
+        if k.startswith("hidden."):
+            arrays[k] = arrays[k] * 1.5
+
+
+STATE_EDITS = {
+    "hidden-states-edited": lambda p: _state(p, edit_arrays=_scale_hidden),
+    "promotion-plan-edited": lambda p: _state(p, edit_json=_promote("int8")),
+    "unknown-scheme-in-the-plan": lambda p: _state(p, edit_json=_promote("int9")),
+}
+
+
+@pytest.mark.parametrize("how", STATE_EDITS)
+def test_an_edited_saved_state_starts_over_to_the_clean_store(clean, tmp_path, how):
+    src, want = clean
+    out = tmp_path / "out"
+    killed = cli_compress(src, out, fault="compress-unit:2")
+    assert killed.returncode == -9, killed.stderr
+    [partial] = tmp_path.glob(".out.partial-*")
+    STATE_EDITS[how](partial)
+    again = cli_compress(src, out)
+    assert again.returncode == 0, again.stderr
+    assert "starting over" in again.stderr and "compress: going on from" not in again.stderr
+    assert written(out) == want
