@@ -173,6 +173,7 @@ class Calibrator:
         arrays.update({f"offset.{name}": np.array(v) for name, v in self.plan.transform.offset.items()})
         return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
                 "expert_stacks": sorted(self.expert_stacks), "gptq_left_out": self.gptq_left_out,
+                "awq_no_fold": self.awq_no_fold,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl}, arrays
 
@@ -185,7 +186,9 @@ class Calibrator:
         if not all(isinstance(state.get(k), dict) for k in ("record", "awq")) or not isinstance(promote, dict) \
                 or not isinstance(group_sizes, dict) or not isinstance(state.get("gptq_tensors"), list) \
                 or not isinstance(state.get("stopped"), (str, type(None))) \
-                or not isinstance(state.get("reference_ppl"), (int, float, type(None))):
+                or not isinstance(state.get("reference_ppl"), (int, float, type(None))) \
+                or not all(isinstance(state.get(k, {}), dict) for k in ("gptq_left_out", "awq_no_fold")) \
+                or not all(isinstance(n, str) for n in state.get("expert_stacks", [])):
             problem = "is not a saved calibration state"
         elif bad := [s for s in promote.values() if not isinstance(s, str) or s not in SCHEMES]:
             problem = f"plans scheme {bad[0]!r}, which no store has"
@@ -198,7 +201,8 @@ class Calibrator:
                 w = int(name) if name.isdigit() else -1
                 if not 0 <= w < len(hidden) or value.shape != tuple(hidden[w].shape) or value.dtype != np.float32:
                     problem = problem or f"holds hidden states {key} {value.dtype}{list(value.shape)}, not this run's"
-            elif kind not in ("col", "row") or value.dtype.kind != "f" or value.ndim != 1:
+            elif kind not in ("col", "row", "offset") or value.dtype.kind != "f" \
+                    or value.ndim != (0 if kind == "offset" else 1):
                 problem = problem or f"holds {key!r}, which calibration never saves"
         if problem is not None:
             raise FormatError(where, problem)
@@ -206,6 +210,7 @@ class Calibrator:
         self.plan.group_sizes = group_sizes  # a checkpoint from before group sizes were planned has none
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
         self.expert_stacks, self.gptq_left_out = set(state.get("expert_stacks", ())), state.get("gptq_left_out", {})
+        self.awq_no_fold = state.get("awq_no_fold", {})
         self.plan.reference_ppl = state["reference_ppl"]
         for key, value in arrays.items():
             kind, _, name = key.partition(".")
