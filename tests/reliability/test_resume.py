@@ -57,6 +57,23 @@ def test_a_killed_compress_goes_on_from_its_last_checkpoint(clean, tmp_path, uni
     squishlike.load(out)
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
+def test_a_resumed_compress_keeps_what_calibration_found_from_the_model(tmp_path, tokenizer_dir, model_type):
+    """gemma3's AWQ folds into norms that scale by 1 + w (an offset the saved state keeps); a MoE's experts are
+    GPTQ'd one by one and its router has no fold (both recorded in the manifest): killed after its first layer and
+    resumed, the store is the one a run never killed writes."""
+    from support.arch_sweep import ARCH_CONFIGS
+    from support.tiny_models import make_hf_model
+
+    src = make_hf_model(tmp_path / model_type, {**ARCH_CONFIGS[model_type], "num_hidden_layers": 3}, tokenizer_dir)
+    assert cli_compress(src, tmp_path / "clean").returncode == 0
+    killed = cli_compress(src, tmp_path / "out", fault="compress-unit:2")
+    assert killed.returncode == -9, killed.stderr
+    again = cli_compress(src, tmp_path / "out")
+    assert again.returncode == 0 and "going on from layer 0 of a killed run" in again.stderr, again.stderr
+    assert written(tmp_path / "out") == written(tmp_path / "clean")
+
+
 def test_ctrl_c_keeps_the_finished_blocks_and_other_options_start_over(clean, tmp_path):
     src, want = clean
     out = tmp_path / "out"
