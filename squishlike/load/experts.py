@@ -15,6 +15,7 @@ import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..cpu_layers import expert_product
 from ..dtypes import MX_DTYPES, to_mx
+from ..io.files import open_regular
 from ..npydir import NpyDir
 from ..quant.schemes import rows_cols
 
@@ -84,6 +86,12 @@ class _ExpertStack:
         return tuple(arrays)
 
 
+def _descriptor(path: Path, root: Path) -> int:
+    """A read-only descriptor on a pack, opened from the store with no link followed, never a FIFO (io/files.py)."""
+    with open_regular(path, root) as f:
+        return os.dup(f.fileno())
+
+
 class ExpertCache:
     """The experts of a model's streamed stacks in memory, least recently used evicted first, within `capacity`
     bytes; `stats` counts what it did.
@@ -106,7 +114,7 @@ class ExpertCache:
             siblings.setdefault(name.rsplit(".", 2)[0], []).append(name)
         self._siblings = {name: [s for s in siblings[name.rsplit(".", 2)[0]] if s != name] for name in names}
         paths = {path for stack in self.stacks.values() for path, _, _ in stack.spans}
-        self._fds = {path: os.open(path, os.O_RDONLY) for path in paths} if hasattr(os, "posix_fadvise") else {}
+        self._fds = {path: _descriptor(path, store.path) for path in paths} if hasattr(os, "posix_fadvise") else {}
         weakref.finalize(self, _close_all, list(self._fds.values()))
 
     def announce(self, name: str, experts: np.ndarray) -> None:
