@@ -11,7 +11,13 @@ const CHUNK: usize = 1 << 16;
 /// The index of the first NaN or infinite value, None when every value is finite. Chunks are tested in parallel
 /// (the common answer, None, needs every value looked at); only the first failing chunk is searched for the index.
 pub fn first_non_finite<T: Float>(values: &[T]) -> Option<usize> {
-    let chunk = values.par_chunks(CHUNK).position_first(|c| c.iter().fold(false, |bad, &x| bad | !x.is_finite()))?;
+    let any_bad = |c: &[T]| c.iter().fold(false, |bad, &x| bad | !x.is_finite());
+    // Most tensors' scales fit in one chunk: tested here, without waking the pool's threads.
+    let chunk = if values.len() <= CHUNK {
+        any_bad(values).then_some(0)?
+    } else {
+        values.par_chunks(CHUNK).position_first(any_bad)?
+    };
     let start = chunk * CHUNK;
     values[start..].iter().position(|x| !x.is_finite()).map(|i| start + i)
 }
