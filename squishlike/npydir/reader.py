@@ -43,7 +43,7 @@ def check_finite(path: Path, values: np.ndarray, what: str) -> None:
     """FormatError naming `path` and `what` when `values`, stored scales or offsets (bfloat16 as its uint16 bits),
     hold a NaN or an infinity, which docs/format.md §7 forbids: each would make a whole group of weights NaN or
     infinite. Checked wherever a load has them in memory (a sixteenth of a store's bytes or less, tested by the Rust
-    kernel on every core)."""
+    kernel, a big part on every core)."""
     values = np.ascontiguousarray(values)
     if (at := quant.first_non_finite(values, STORED_AS[values.dtype])) is not None:
         raise FormatError(path, f"{what} holds NaN or infinite scales or offsets (value {at} is "

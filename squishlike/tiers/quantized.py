@@ -96,7 +96,7 @@ class QuantizedTier(Tier):
         if _canonical(read_json(root / CONFIG, store.path)) != _canonical(config):  # 32.0 is not 32 here
             raise FormatError(root / CONFIG, "is not the config this tier was built with")
         weights = load_safetensors(root / WEIGHTS, self.tensors(store), store.path, lazy=lazy)
-        _check_finite(store, weights, lambda key: root / WEIGHTS)
+        _check_finite(store, mlx_names(store), weights, lambda key: root / WEIGHTS)
         return Loaded(weights, config, self.name)
 
     def serves_from_store(self, store: NpyDir) -> bool:
@@ -130,7 +130,7 @@ class QuantizedTier(Tier):
             for part in parts.values():
                 store.checked_part(part.name, part.suffix)
             raise FormatError(store.path, "a stored part could not be read")
-        _check_finite(store, raw, lambda key: parts[key].path)
+        _check_finite(store, names, raw, lambda key: parts[key].path)
         runtime = MX_DTYPES[store.runtime_dtype]
         weights = {key: raw[key].view(part.dtype).reshape(part.shape) for key, part in parts.items()}
         weights = {key: a if a.dtype in (mx.uint32, runtime) else a.astype(runtime) for key, a in weights.items()}
@@ -251,11 +251,12 @@ def _read_parts(store: NpyDir, parts: dict[str, _StoredPart], lazy: bool) -> dic
     return load_files_parallel(open_pack, sizes, lazy=lazy)
 
 
-def _check_finite(store: NpyDir, arrays: dict[str, mx.array], file_of: Callable[[str], Path]) -> None:
-    """Every group-wise tensor's scales and offsets among `arrays` (by mlx_lm name, as stored or in the runtime
-    dtype) checked finite where they are, in memory, as the cold path checks the store's (npydir.check_finite),
-    each named by the file `file_of` says holds it. A lazy load reads them here: a sixteenth of its bytes or less."""
-    names = mlx_names(store)
+def _check_finite(store: NpyDir, names: dict[str, str], arrays: dict[str, mx.array],
+                  file_of: Callable[[str], Path]) -> None:
+    """Every group-wise tensor's scales and offsets among `arrays` (by mlx_lm name, `names`: canonical -> mlx_lm;
+    as stored or in the runtime dtype) checked finite where they are, in memory, as the cold path checks the
+    store's (npydir.check_finite), each named by the file `file_of` says holds it. A lazy load reads them here: a
+    sixteenth of its bytes or less."""
     for name, entry in store.entries.items():
         if entry.kind.grouped:
             prefix = names[name].removesuffix(".weight")
