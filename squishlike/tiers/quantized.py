@@ -257,13 +257,16 @@ def _check_finite(store: NpyDir, names: dict[str, str], arrays: dict[str, mx.arr
     as stored or in the runtime dtype) checked finite where they are, in memory, as the cold path checks the
     store's (npydir.check_finite), each named by the file `file_of` says holds it. A lazy load reads them here: a
     sixteenth of its bytes or less."""
+    parts = {}  # mlx_lm name -> what it is, for the error
     for name, entry in store.entries.items():
         if entry.kind.grouped:
             prefix = names[name].removesuffix(".weight")
             for suffix, key in zip(entry.kind.suffixes[1:], (f"{prefix}.scales", f"{prefix}.biases")):
-                array = arrays[key]
-                values = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
-                check_finite(file_of(key), values, f"{key} (part {suffix} of {name})")
+                parts[key] = f"{key} (part {suffix} of {name})"
+    values = [arrays[key].view(mx.uint16) if arrays[key].dtype == mx.bfloat16 else arrays[key] for key in parts]
+    mx.eval(values)  # one evaluation for all (bfloat16's bits views; a lazy load's reads), not one per array
+    for (key, what), array in zip(parts.items(), values):
+        check_finite(file_of(key), np.asarray(array), what)
 
 
 def _canonical(value: dict) -> str:
