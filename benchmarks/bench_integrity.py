@@ -12,11 +12,13 @@ and their ratio:
 - cold sha256: the same, the store seen as one written before xxh3 was recorded (its records without xxh3), so
   the check falls back to sha256: what the cold path cost before xxh3, measured in the same run;
 - each warm tier: its load, with and without the header checks (the tier safetensors' header against the one
-  written, each finalized .npy header against the manifest, the int4 tier's config.json);
+  written, each finalized .npy header against the manifest, the int4 tier's config.json) and, for int4, the check
+  that its scales and offsets are finite; and the int4 tier read straight from the store (what a store under the
+  default policy serves), with and without that check;
 - warm load: the whole squishlike.load (model and tokenizer, from the first ready tier), with and without every
   check above, the side files' (config, tokenizer files and facts, chat template) against the manifest's
   records, which every load runs, warm or cold, and the identity check of the served tier's files; and the
-  side-file check alone;
+  side-file check alone, and the finite check of the int4 tier's scales and offsets alone;
 - identity check alone, per tier: Tier.check_files on the tier as its build left it (one stat per file, nothing
   hashed), and on a copy of the store (`cp -a`: new inodes), where its first load hashes each file once.
 """
@@ -45,15 +47,15 @@ from squishlike.tiers import BY_NAME, base, cold, finalized, mlx, quantized
 def checks_off():
     """The same loads with every integrity check replaced by nothing."""
     saved = (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical, NpyDir.check_side_files,
-             base.Tier.check_files)
+             base.Tier.check_files, quantized._check_finite)
     cold.check_files = mlx.check_layout = finalized.check_npy = NpyDir.check_side_files = lambda *a, **k: None
-    base.Tier.check_files = lambda *a, **k: None
+    base.Tier.check_files = quantized._check_finite = lambda *a, **k: None
     quantized._canonical = lambda value: ""
     try:
         yield
     finally:
         (cold.check_files, mlx.check_layout, finalized.check_npy, quantized._canonical,
-         NpyDir.check_side_files, base.Tier.check_files) = saved
+         NpyDir.check_side_files, base.Tier.check_files, quantized._check_finite) = saved
 
 
 def timed(load) -> float:
@@ -102,6 +104,7 @@ def main() -> int:
                "cold sha256": lambda: cold.ColdTier().load_dense(old_style)[0].weights}
     for name in ("int4", "mlx", "finalized"):
         figures[name] = lambda tier=BY_NAME[name]: tier.load(store).weights
+    figures["int4 store"] = lambda: BY_NAME["int4"].from_store(store).weights
     figures["warm load"] = lambda: dict(tree_flatten(squishlike.load(out)[0].parameters()))
     for name, load in figures.items():
         on, off = measure(load, args.runs)
@@ -114,6 +117,15 @@ def main() -> int:
         alone.append(time.perf_counter() - started)
     print(f"side-file check alone: {statistics.median(alone) * 1e3:.2f} ms for {len(store.manifest.side_files)} "
           f"files, {side / 1e6:.1f} MB")
+    weights, names = BY_NAME["int4"].load(store).weights, base.mlx_names(store)
+    scales = [a for key, a in weights.items() if key.endswith((".scales", ".biases"))]
+    finite = []
+    for _ in range(args.runs):
+        started = time.perf_counter()
+        quantized._check_finite(store, names, weights, lambda key: out)
+        finite.append(time.perf_counter() - started)
+    print(f"finite check alone: {statistics.median(finite) * 1e3:.2f} ms for {sum(a.size for a in scales):,} scales "
+          f"and offsets, {sum(a.nbytes for a in scales) / 1e6:.1f} MB")
     copy = workdir / "copy"
     for name in ("int4", "mlx", "finalized"):
         tier = BY_NAME[name]

@@ -152,9 +152,9 @@ def model_args_defaults(model_type: str) -> dict[str, Any]:
 
 
 def _model_args(model_type: str) -> type:
-    from mlx_lm.utils import _get_classes
+    from .model_types import mlx_lm_classes
 
-    return _get_classes({"model_type": model_type})[1]
+    return mlx_lm_classes({"model_type": model_type})[1]
 
 
 def _family(model_type: str | None) -> Architecture | None:

@@ -18,6 +18,7 @@ FLOAT_DTYPES = {
 MX_DTYPES = {name: dtype for name, (dtype, _, _) in FLOAT_DTYPES.items()}
 NP_STORAGE = {name: storage for name, (_, storage, _) in FLOAT_DTYPES.items()}
 MX_STORAGE = {name: storage for name, (_, _, storage) in FLOAT_DTYPES.items()}
+STORED_AS = {storage: name for name, storage in NP_STORAGE.items()}  # NumPy storage dtype -> the name it stores
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

@@ -20,10 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, infer_quant_config
+from mlx_lm.utils import infer_quant_config
 
 from . import tokenizer
 from .errors import FormatError, SquishError, UnsupportedArchitectureError
+from .model_types import mlx_lm_classes
 
 
 
@@ -48,7 +49,7 @@ def model_classes(
     if "model_type" not in config:
         raise UnsupportedArchitectureError(f"{model_dir or 'config.json'}: config has no model_type")
     try:
-        return _get_classes(config)
+        return mlx_lm_classes(config)
     except ValueError as e:
         raise UnsupportedArchitectureError(
             f"{model_dir or 'config.json'}: {e} mlx_lm has no model of that type, so neither has squishlike"

@@ -21,8 +21,9 @@ import mlx.core as mx
 
 from .arch import Architecture, Need, Rule, architecture_for, mlx_named
 from .config import ModelConfig
+from .dtypes import FLOAT_DTYPES
 from .errors import FormatError, MissingTensorError, UnsupportedArchitectureError
-from .formats import FormatReader, QuantizedTensor, open_reader
+from .formats import FormatReader, QuantizedTensor, TensorInfo, open_reader
 from .formats.sanitized import SanitizedReader
 from .hub import existing_path, resolve
 from .io.atomic import write_json
@@ -66,6 +67,7 @@ class WeightProvider:
         # canonical name -> rule row, for the rows whose tensor the file has, in model order
         self._rules: dict[str, Rule] = {r.canonical: r for r in rows if getattr(r, self.naming) in stored}
         self._check_needed()
+        self._check_dense_dtypes(stored)
         self._model_shapes: dict[str, tuple[int, ...]] = {}
 
     @classmethod
@@ -251,6 +253,30 @@ class WeightProvider:
         if rule is None:
             raise MissingTensorError(self.reader.path, name, f"no such tensor in this {self.config.model_type} model")
         return rule
+
+    def _check_dense_dtypes(self, stored: dict[str, TensorInfo]) -> None:
+        """Refuse (FormatError naming the file and the tensor) a tensor stored as it is, not as a quantized triple,
+        in a dtype that is not a float, when the model's parameter it binds to is a float: a float tensor whose
+        header was relabelled as integers (its byte count unchanged), whose bits would reach the model as integer
+        values. Which parameters are floats, the model says: its mlx_lm model, built empty (no memory), asked only
+        when such a tensor is stored, since some are not (BitNet's packed weights are uint8 parameters). A
+        triple's packed words are its reader's to check (formats/mlx.py quantized_shape)."""
+        dense = {name: stored[getattr(rule, self.naming)] for name, rule in self._rules.items()}
+        suspects = {name: info for name, info in dense.items() if not info.quantized and info.dtype not in FLOAT_DTYPES}
+        if not suspects:
+            return
+        from mlx.utils import tree_flatten
+
+        from .model import new_model  # imports mlx_lm
+
+        model = new_model(self.dense_config(), self.reader.path)
+        expected = {name: array.dtype for name, array in tree_flatten(model.parameters())}
+        for name, info in suspects.items():
+            dtype = expected.get(self.mlx_name(name))
+            if dtype is not None and mx.issubdtype(dtype, mx.floating):
+                raise FormatError(self.reader.file_of(info.name), f"tensor {info.name} is stored as {info.dtype}, "
+                                  f"but it is the model's {self.mlx_name(name)}, a floating-point parameter: a "
+                                  "float's bytes relabelled as integers, or a malformed file")
 
     def _check_needed(self) -> None:
         # Every row the family always has, and the output projection unless tied to the embedding.

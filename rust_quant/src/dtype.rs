@@ -30,6 +30,8 @@ pub trait Float: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Round to the nearest value of this type, ties to even.
     fn from_f32(x: f32) -> Self;
+    /// Neither NaN nor infinite (not every bit of the exponent set): a test of the bits, which loops vectorise.
+    fn is_finite(self) -> bool;
 
     /// 16-bit values as their raw bits, for kernels that only move values around (None for f32).
     fn bits16(_values: &[Self]) -> Option<&[u16]> {
@@ -47,6 +49,10 @@ impl Float for f32 {
         self
     }
     #[inline(always)]
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+    #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
     }
@@ -57,6 +63,10 @@ impl Float for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        f16::is_finite(self)
     }
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
@@ -76,6 +86,10 @@ impl Float for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
+    fn is_finite(self) -> bool {
+        bf16::is_finite(self)
     }
     /// The same rounding as `bf16::from_f32`, written without branches so that loops over it vectorise:
     /// add 0x7FFF plus the lowest kept bit (ties to even), truncate; a NaN keeps its top bits and gets the quiet bit.

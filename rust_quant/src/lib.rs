@@ -15,6 +15,7 @@ use pyo3::types::PyDict;
 pub mod affine;
 pub mod bitstream;
 pub mod dtype;
+pub mod finite;
 pub mod gptq;
 pub mod hash;
 pub mod int4;
@@ -178,6 +179,17 @@ fn dequantize_int8(
         let (q, scales, out) = (slice(&q)?, slice(&scales)?, O::view_mut(slice_mut(&mut out)?));
         py.allow_threads(|| int8::dequantize(q, scales, cols, out));
         Ok(())
+    })
+}
+
+/// The index of the first NaN or infinite value of `values` (float32, float16, or bfloat16 as its uint16 bits; any
+/// shape, C-contiguous), None when every value is finite.
+#[pyfunction]
+fn first_non_finite(py: Python<'_>, values: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Option<usize>> {
+    with_dtype!(dtype, T => {
+        let values = input::<<T as Stored>::Np>("values", values)?;
+        let values = T::view(slice(&values)?);
+        Ok(py.allow_threads(|| finite::first_non_finite(values)))
     })
 }
 
@@ -583,6 +595,7 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack_int6, m)?)?;
     m.add_function(wrap_pyfunction!(unpack_int6, m)?)?;
     m.add_function(wrap_pyfunction!(gptq_group, m)?)?;
+    m.add_function(wrap_pyfunction!(first_non_finite, m)?)?;
     m.add_class::<PyXxh3>()?;
     Ok(())
 }

@@ -191,10 +191,10 @@ def architecture_for(model_type: str) -> Architecture:
     for arch in architectures():
         if model_type in arch.model_types:
             return arch
-    from mlx_lm.utils import _get_classes
+    from ..model_types import mlx_lm_module
 
     try:
-        _get_classes({"model_type": model_type})
+        mlx_lm_module({"model_type": model_type})
     except ValueError as e:  # "Model type X not supported.", as mlx_lm.load says it
         raise UnsupportedArchitectureError(f"{e} mlx_lm has no model of that type, so neither has squishlike") from None
     known = sorted(t for a in architectures() for t in a.model_types)

@@ -62,6 +62,10 @@ class FormatReader(ABC):
         """The MLX-layout quantized triple when the file stores `name` that way, else None."""
         return None
 
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor `name`, for an error to name (the reader's path where it is one file)."""
+        return self.path
+
     def verify(self) -> list[str]:
         """Problems found checking what the format allows (`verifies`); [] when none. Opening the reader has
         parsed the headers; here every tensor is read once, so one whose bytes lie outside its file is named."""

@@ -38,6 +38,14 @@ FLOAT_TYPES = {
     gguf.GGMLQuantizationType.F16: "float16",
     gguf.GGMLQuantizationType.BF16: "bfloat16",
 }
+# GGML's plain integer types, listed as stored (not quantized): the provider refuses one where the model's
+# parameter is a float
+INTEGER_TYPES = {
+    gguf.GGMLQuantizationType.I8: "int8",
+    gguf.GGMLQuantizationType.I16: "int16",
+    gguf.GGMLQuantizationType.I32: "int32",
+    gguf.GGMLQuantizationType.I64: "int64",
+}
 
 # GGUF metadata key (after `{arch}.`) for each required config field; vocab_size falls back to the tokenizer's size.
 REQUIRED_CONFIG = {
@@ -242,9 +250,9 @@ class GGUFReader(FormatReader):
             t.name: TensorInfo(
                 name=t.name,
                 shape=tuple(reversed([int(d) for d in t.shape])),
-                dtype=FLOAT_TYPES.get(t.tensor_type, t.tensor_type.name),
+                dtype={**FLOAT_TYPES, **INTEGER_TYPES}.get(t.tensor_type, t.tensor_type.name),
                 nbytes=int(t.n_bytes),
-                quantized=t.tensor_type not in FLOAT_TYPES,
+                quantized=t.tensor_type not in FLOAT_TYPES and t.tensor_type not in INTEGER_TYPES,
             )
             for t in self._gguf.tensors
         }

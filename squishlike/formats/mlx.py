@@ -11,6 +11,7 @@ The triple is listed once, under its weight's name, with the logical (unpacked) 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,22 @@ def quantized_shape(
     cols, remainder = divmod(w_shape[-1] * 32, params.bits)
     if remainder or cols != s_shape[-1] * params.group_size:
         raise bad(f"weight shape {w_shape} and scales shape {s_shape} do not fit these parameters")
+    if (refused := mlx_refuses(params, cols)) is not None:
+        raise bad(f"MLX's quantized layers refuse these parameters, so no load could build this one ({refused})")
     return (*w_shape[:-1], cols)
+
+
+@functools.lru_cache(maxsize=None)
+def mlx_refuses(params: QuantParams, cols: int) -> str | None:
+    """What MLX says against a quantized layer of `cols` input columns with `params`, None when it takes them. A load
+    builds each quantized layer with `nn.quantize`, whose layers quantize their initial weight with `mx.quantize`:
+    asking `mx.quantize` the same, of a lazy array (it checks its arguments as the operation is built; nothing is
+    allocated or computed), makes the provider refuse exactly what a load refuses, by MLX's own rule."""
+    try:
+        mx.quantize(mx.zeros((1, cols)), group_size=params.group_size, bits=params.bits, mode=params.mode)
+    except (ValueError, TypeError, OverflowError) as e:
+        return str(e)
+    return None
 
 
 class MLXReader(HFReader):

@@ -274,6 +274,9 @@ class OllamaReader(FormatReader):
             mode=params.mode,
         )
 
+    def file_of(self, name: str) -> Path:
+        return self._tensors[name][0].path if name in self._tensors else self.path
+
     def read(self, name: str) -> mx.array:
         f, params = self._entry(name)
         return f.read(name) if params is None else self.read_quantized(name).dequantize()

@@ -328,6 +328,9 @@ class HFReader(FormatReader):
             raise MissingTensorError(self.path, name)
         return self._where[name].read(name)
 
+    def file_of(self, name: str) -> Path:
+        return self._where[name].path if name in self._where else self.path
+
     def write_side_files(self, dest: Path) -> list[Path]:
         return copy_side_files(self.path, Path(dest))
 

@@ -66,6 +66,9 @@ class SanitizedReader(FormatReader):
     def read_quantized(self, name: str) -> QuantizedTensor | None:
         return self.inner.read_quantized(name) if name in self._untouched else None
 
+    def file_of(self, name: str) -> Path:
+        return self.inner.file_of(name) if name in self._untouched else self.path
+
     def write_side_files(self, dest: Path) -> list[Path]:
         return self.inner.write_side_files(dest)
 

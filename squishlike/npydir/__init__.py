@@ -32,7 +32,7 @@ from .manifest import (
     part_file,
     source_fingerprint,
 )
-from .reader import TOKENIZER_FACTS, UNRECORDED, NpyDir, is_npydir, read_source
+from .reader import TOKENIZER_FACTS, UNRECORDED, NpyDir, check_finite, is_npydir, read_source
 from .writer import NpyDirWriter
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "Source",
     "TensorEntry",
     "bits_per_weight",
+    "check_finite",
     "decode_key",
     "encode_key",
     "is_npydir",

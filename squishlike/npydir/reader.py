@@ -21,13 +21,14 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quant
-from ..dtypes import MX_DTYPES, to_mx, to_numpy
+from ..dtypes import MX_DTYPES, STORED_AS, to_mx, to_numpy
 from ..errors import FormatError, IntegrityError, MissingTensorError, UnsupportedArchitectureError
 from ..quant.tensor import QuantizedTensor
 from ..config import SIDE_FILES, load_config, model_args_defaults
 from ..io.checksum import check_files
 from ..io.files import open_regular, read_bytes, read_json, regular_file
 from ..io.npy import read_npy_header
+from ..quant.reference import to_float32
 from ..quant.schemes import rows_cols
 from .manifest import FORMAT, MANIFEST, FileRecord, Manifest, Source, TensorEntry
 from .packs import alignment
@@ -38,11 +39,15 @@ UNRECORDED = f"not written by squishlike: {MANIFEST} records no such file"  # a 
 _READ_CHUNK = 1 << 30  # one read() returns at most 2 GiB
 
 
-def _all_finite(array: np.ndarray, dtype: np.dtype) -> bool:
-    """Whether a stored float part (bfloat16 as its uint16 bits) holds only finite values."""
-    if dtype == np.uint16:  # bfloat16: finite unless every exponent bit is set
-        return not np.any((array & 0x7F80) == 0x7F80)
-    return bool(np.isfinite(array).all())
+def check_finite(path: Path, values: np.ndarray, what: str) -> None:
+    """FormatError naming `path` and `what` when `values`, stored scales or offsets (bfloat16 as its uint16 bits),
+    hold a NaN or an infinity, which docs/format.md §7 forbids: each would make a whole group of weights NaN or
+    infinite. Checked wherever a load has them in memory (a sixteenth of a store's bytes or less, tested by the Rust
+    kernel, a big part on every core)."""
+    values = np.ascontiguousarray(values)
+    if (at := quant.first_non_finite(values, STORED_AS[values.dtype])) is not None:
+        raise FormatError(path, f"{what} holds NaN or infinite scales or offsets (value {at} is "
+                                f"{to_float32(values.reshape(-1)[at:at + 1], STORED_AS[values.dtype])[0]})")
 
 
 def is_npydir(path: str | Path, damaged: bool = False) -> bool:
@@ -282,9 +287,14 @@ class NpyDir:
         dtype, shape = entry.part_spec(suffix)
         with self._open_part(name, suffix) as (path, f, offset):
             array = np.memmap(f, dtype, "r", offset, shape) if math.prod(shape) else np.empty(shape, dtype)
-        if entry.kind.quantized and suffix != entry.kind.suffixes[0] and not _all_finite(array, dtype):
-            raise FormatError(path, "holds NaN or infinite scales or offsets")
+        self._check_scales(name, suffix, path, array)
         return array
+
+    def _check_scales(self, name: str, suffix: str, path: Path, array: np.ndarray) -> None:
+        """check_finite of a quantized tensor's scales or offsets (any part but its codes)."""
+        kind = self.entry(name).kind
+        if kind.quantized and suffix != kind.suffixes[0]:
+            check_finite(path, array, f"part {suffix} of {name}")
 
     def read_part_into(self, name: str, suffix: str, out: np.ndarray) -> None:
         """Read one stored part into `out` (C-contiguous, of the part's dtype and size) with pread, checked as
@@ -294,6 +304,7 @@ class NpyDir:
             raise ValueError(f"out is {out.dtype}{list(out.shape)}; {name}:{suffix} needs {dtype}{list(shape)}")
         with self._open_part(name, suffix) as (path, f, offset):
             _pread_into(f.fileno(), path, memoryview(out.reshape(-1).view(np.uint8)), offset)
+        self._check_scales(name, suffix, path, out)
 
     def read_part_block(self, name: str, suffix: str, rows: list[tuple[int, int]],
                         cols: tuple[int, int]) -> np.ndarray:
@@ -323,6 +334,7 @@ class NpyDir:
                         out[at:at + r1 - r0] = data[r0:r1, c0:c1]
                         at += r1 - r0
                     del data  # the map closes only once no array holds it
+        self._check_scales(name, suffix, path, out)
         return out
 
     def dequantize(self, name: str, out: np.ndarray | None = None) -> np.ndarray:

@@ -55,6 +55,7 @@ __all__ = [
     "quantize_int6",
     "dequantize_int6",
     "gptq_group",
+    "first_non_finite",
 ]
 
 
@@ -202,3 +203,9 @@ def from_mlx_words(scheme: str, words: np.ndarray) -> np.ndarray:
     the scheme's codes: a view (a copy only for non-contiguous input)."""
     words = np.ascontiguousarray(words, dtype="<u4")
     return words.reshape(rows_cols(words.shape, "words")).view(SCHEMES[scheme].word)
+
+
+def first_non_finite(values: np.ndarray, dtype: str) -> int | None:
+    """The flat index of the first NaN or infinite value of `values` (C-contiguous, stored values of `dtype`:
+    bfloat16 as its uint16 bits), None when every value is finite; tested on every core."""
+    return _rq.first_non_finite(values, dtype)

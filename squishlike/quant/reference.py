@@ -82,6 +82,13 @@ def to_float32(a: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(a, dtype=storage_dtype(dtype)).astype(np.float32)
 
 
+def first_non_finite(values: np.ndarray, dtype: str) -> int | None:
+    """The flat index of the first NaN or infinite value of `values`, stored values of `dtype` (bfloat16 as its
+    uint16 bits); None when every value is finite."""
+    bad = np.flatnonzero(~np.isfinite(to_float32(values, dtype)))
+    return int(bad[0]) if bad.size else None
+
+
 def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
     """Encode float32 values as `dtype` storage, rounding to nearest even."""
     if dtype == "bfloat16":

@@ -23,7 +23,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +36,7 @@ from ..io.atomic import copy_file, make_temp_dir, publish_dir, write_json
 from ..io.checksum import check_files
 from ..io.files import read_json
 from ..io.sentinel import write_sentinel
-from ..npydir import NpyDir
+from ..npydir import NpyDir, check_finite
 from ..quant import mlx_words
 from ..quant.schemes import SCHEMES
 from ..memory import load_each_parallel, load_files_parallel, prefetch
@@ -96,6 +96,7 @@ class QuantizedTier(Tier):
         if _canonical(read_json(root / CONFIG, store.path)) != _canonical(config):  # 32.0 is not 32 here
             raise FormatError(root / CONFIG, "is not the config this tier was built with")
         weights = load_safetensors(root / WEIGHTS, self.tensors(store), store.path, lazy=lazy)
+        _check_finite(store, mlx_names(store), weights, lambda key: root / WEIGHTS)
         return Loaded(weights, config, self.name)
 
     def serves_from_store(self, store: NpyDir) -> bool:
@@ -129,6 +130,7 @@ class QuantizedTier(Tier):
             for part in parts.values():
                 store.checked_part(part.name, part.suffix)
             raise FormatError(store.path, "a stored part could not be read")
+        _check_finite(store, names, raw, lambda key: parts[key].path)
         runtime = MX_DTYPES[store.runtime_dtype]
         weights = {key: raw[key].view(part.dtype).reshape(part.shape) for key, part in parts.items()}
         weights = {key: a if a.dtype in (mx.uint32, runtime) else a.astype(runtime) for key, a in weights.items()}
@@ -247,6 +249,24 @@ def _read_parts(store: NpyDir, parts: dict[str, _StoredPart], lazy: bool) -> dic
         return {key: arrays[in_pack] for in_pack, key in wanted[path].items()}
 
     return load_files_parallel(open_pack, sizes, lazy=lazy)
+
+
+def _check_finite(store: NpyDir, names: dict[str, str], arrays: dict[str, mx.array],
+                  file_of: Callable[[str], Path]) -> None:
+    """Every group-wise tensor's scales and offsets among `arrays` (by mlx_lm name, `names`: canonical -> mlx_lm;
+    as stored or in the runtime dtype) checked finite where they are, in memory, as the cold path checks the
+    store's (npydir.check_finite), each named by the file `file_of` says holds it. A lazy load reads them here: a
+    sixteenth of its bytes or less."""
+    parts = {}  # mlx_lm name -> what it is, for the error
+    for name, entry in store.entries.items():
+        if entry.kind.grouped:
+            prefix = names[name].removesuffix(".weight")
+            for suffix, key in zip(entry.kind.suffixes[1:], (f"{prefix}.scales", f"{prefix}.biases")):
+                parts[key] = f"{key} (part {suffix} of {name})"
+    values = [arrays[key].view(mx.uint16) if arrays[key].dtype == mx.bfloat16 else arrays[key] for key in parts]
+    mx.eval(values)  # one evaluation for all (bfloat16's bits views; a lazy load's reads), not one per array
+    for (key, what), array in zip(parts.items(), values):
+        check_finite(file_of(key), np.asarray(array), what)
 
 
 def _canonical(value: dict) -> str:

@@ -96,10 +96,11 @@ def test_hostile_file_gets_a_typed_error_naming_it(case, base, outcomes):
     assert tree_state(d / OUTSIDE) == outside, "something was written, emptied or removed through a link"
     assert status["signal"] is None and not status["killed_by_us"], f"crashed or hung: {status}"
     assert status["code"] == 0, attempts
-    own = attempts[case.action]
-    assert "error" in own, f"{case.action} accepted it: {own}"
-    assert case.expect.__name__ in own["mro"], f"{own['error']}: {own['message']}"
-    assert fill(case.names, target, d, base) in own["message"], own["message"]
+    for action in (case.action, *case.also):
+        own = attempts[action]
+        assert "error" in own, f"{action} accepted it: {own}"
+        assert case.expect.__name__ in own["mro"], f"{action}: {own['error']}: {own['message']}"
+        assert fill(case.names, target, d, base) in own["message"], f"{action}: {own['message']}"
     for action, outcome in attempts.items():
         if "error" in outcome:
             assert "SquishError" in outcome["mro"], f"{action}: untyped {outcome['error']}: {outcome['message']}"
@@ -420,3 +421,29 @@ def test_compress_never_locks_through_a_link(base, tmp_path):
             squishlike.compress(base.hf, tmp_path / "out", scheme="int8", tiers=())
         assert sorted(p.name for p in outside.iterdir()) == ["victim"]
         assert (outside / "victim").read_text() == "keep" and not (tmp_path / "out").exists()
+
+
+def test_a_model_type_that_is_no_model_is_refused_without_importing_it(base, tmp_path):
+    """`model_type` naming a module of mlx_lm.models that builds no model (bitlinear_layers, which nothing else
+    imports): open_weights and load refuse it as an unsupported architecture, and the module is never imported.
+    In a fresh process, since another test's model may have imported it into this one."""
+    import subprocess
+    import sys
+
+    target = shutil.copytree(base.hf, tmp_path / "model")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "model_type": "bitlinear_layers"}))
+    script = f"""
+import sys
+import squishlike
+from squishlike.errors import UnsupportedArchitectureError
+for entry in (squishlike.open_weights, squishlike.load):
+    try:
+        entry({str(target)!r})
+    except UnsupportedArchitectureError as e:
+        assert {str(target)!r} in str(e) and "bitlinear_layers" in str(e), e
+    else:
+        raise AssertionError(entry)
+assert "mlx_lm.models.bitlinear_layers" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

@@ -44,6 +44,8 @@ class Base:
     ollama_manifest: Path
     weights_digest: str  # the clean load's weights (crash_harness.weights_digest)
     other: Path  # another store of the same architecture and options (other weights), every tier built
+    packed: Path  # the HF directory's INT4 store as compress writes it by default: format 2, no tier built, so a
+    # load takes the store's own quantized tier, read straight from its packs
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Case:
     names: str = "{target}"  # what the message must contain; {target}, {case} are filled in
     action: str = "open"  # "open" (provider, every tensor), "load", "npydir", "sentinel:<tier>", "compress"
     groups: tuple[str, ...] = field(default_factory=tuple)
+    also: tuple[str, ...] = ()  # other entry points that must refuse it as `action` does (same type, same names)
 
 
 # ---------------------------------------------------------------------------------------------- raw builders
@@ -160,6 +163,12 @@ def first_entry(m: dict, scheme: str = "int4") -> dict:
 def part(target: Path, suffix: str = "q4", scheme: str = "int4") -> Path:
     m = json.loads((target / "manifest.json").read_text())
     return target / "tensors" / f"{first_entry(m, scheme)['key']}__{suffix}.npy"
+
+
+def pack(target: Path, suffix: str = "q4", scheme: str = "int4") -> Path:
+    """Format 2: the pack holding `part`'s part."""
+    m = json.loads((target / "manifest.json").read_text())
+    return target / first_entry(m, scheme)["files"][suffix]["pack"]
 
 
 class _Evil:
@@ -679,6 +688,148 @@ CASES += [
 ]
 
 
+NORM = "model.norm.weight"
+
+CASES += [
+    # --- issue 45: a float tensor whose header says integers (its byte count kept), in every format that can say so
+    # (an npy-dir's manifest admits float dtypes only, and each part's header must say its dtype: npy-wrong-dtype-*)
+    Case("st-linear-weight-relabelled-int32", lambda b, d: _relabelled(hf_with(b, d), "model.safetensors", Q),
+         FormatError, names=f"{{target}}/model.safetensors: tensor {Q}", also=("load",)),
+    Case("st-norm-relabelled-int32", lambda b, d: _relabelled(hf_with(b, d), "model.safetensors", NORM),
+         FormatError, names=f"{{target}}/model.safetensors: tensor {NORM}", also=("load",)),
+    Case("mlx-norm-relabelled-int32", lambda b, d: _relabelled(_mlx_config(b, d, {}), "model.safetensors", NORM),
+         FormatError, names=f"{{target}}/model.safetensors: tensor {NORM}", also=("load",)),
+    Case("ollama-tensor-relabelled-int32", lambda b, d: ollama_edit(b, d, _relabelled_blob), FormatError,
+         names="{blob}: tensor", also=("load",)),
+    Case("gguf-tensor-relabelled-int32", lambda b, d: _gguf_relabelled(b, d, "output_norm.weight"), FormatError,
+         names="{target}: tensor output_norm.weight", also=("load",)),
+    # --- issue 45: a model_type naming a module of mlx_lm.models that builds no model
+    Case("config-model-type-names-a-module-that-is-no-model", lambda b, d: hf_with(b, d, config={
+        **hf_config(b), "model_type": "cache"}), UnsupportedArchitectureError, names="{target}", also=("load",)),
+    Case("manifest-model-type-names-a-module-that-is-no-model", lambda b, d: manifest_edit(npy_copy(b, d), lambda m: _set(
+        m, model_type="rope_utils")), UnsupportedArchitectureError, names="{target}", action="load"),
+    # --- issue 45: NaN or infinite scales and offsets, every record of them kept true, in a store loaded the default
+    # way (its quantized tier read straight from the store, format 2 and format 1) and in a built int4 tier
+    Case("pack-scale-nan-default-load", lambda b, d: _packed_value(b, d, "s4", np.nan), FormatError,
+         names="{pack:s4}", action="load", also=("open",)),
+    Case("pack-offset-inf-default-load", lambda b, d: _packed_value(b, d, "z4", -np.inf), FormatError,
+         names="{pack:z4}", action="load", also=("open",)),
+    Case("npy-scale-nan-default-load", lambda b, d: _packed_value(b, d, "s4", np.nan, format_1=True), FormatError,
+         names="{part:s4}", action="load", also=("open",)),
+    Case("npy-offset-inf-default-load", lambda b, d: _packed_value(b, d, "z4", np.inf, format_1=True), FormatError,
+         names="{part:z4}", action="load", also=("open",)),
+    Case("tier-int4-scale-nan-identity-kept", lambda b, d: _tier_scale(b, d, np.nan), FormatError,
+         names="{target}/" + INT4_TIER, action="sentinel:int4"),
+    # --- issue 45: a quantized MLX layer whose override MLX cannot build (affine groups of 16)
+    Case("mlx-per-layer-override-group-size-16", lambda b, d: _mlx_group_16(b, d), FormatError,
+         names="{target}: quantized tensor model.layers.0.self_attn.q_proj.weight", also=("load",)),
+]
+
+
+def _relabel_header(path: Path, name: str) -> None:
+    """`name`'s dtype in the safetensors header of `path` made the signed integer of its width: its byte count, the
+    file's size and every other byte kept."""
+    raw = bytearray(path.read_bytes())
+    length = struct.unpack_from("<Q", raw)[0]
+    header = json.loads(raw[8:8 + length])
+    header[name]["dtype"] = {"F32": "I32", "F16": "I16", "BF16": "I16"}[header[name]["dtype"]]
+    text = json.dumps(header, separators=(",", ":"))
+    assert len(text) <= length
+    raw[8:8 + length] = text.ljust(length).encode()
+    path.write_bytes(bytes(raw))
+
+
+def _relabelled(target: Path, rel: str, name: str) -> Path:
+    _relabel_header(target / rel, name)
+    return target
+
+
+def _relabelled_blob(root: Path, m: dict) -> None:
+    """The tensor layer's blob relabelled, its digest made true again."""
+    layer = tensor_layer(m)
+    blob = ollama_blob(root, layer)
+    _relabel_header(blob, layer["name"])
+    _rewrite_blob(root, layer, blob.read_bytes(), True)
+
+
+def _gguf_relabelled(base: Base, d: Path, name: str) -> Path:
+    """The HF model as a float32 GGUF, as llama.cpp's converter writes it, with `name`'s type field saying I32."""
+    import gguf
+
+    import squishlike
+    from .fixtures.gguf_models import write_gguf
+
+    with squishlike.open_weights(base.hf) as provider:
+        weights = {n: np.asarray(provider.get(n)) for n in provider.names()}
+        path = write_gguf(d / "model.gguf", provider.config, weights)
+    raw = bytearray(path.read_bytes())
+    record = raw.index(_gstr(name))
+    type_at = record + len(_gstr(name)) + 4 + 8 * struct.unpack_from("<I", raw, record + len(_gstr(name)))[0]
+    assert struct.unpack_from("<I", raw, type_at)[0] == gguf.GGMLQuantizationType.F32
+    struct.pack_into("<I", raw, type_at, gguf.GGMLQuantizationType.I32)
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def _packed_value(base: Base, d: Path, suffix: str, value: float, format_1: bool = False) -> Path:
+    """The default store (base.packed) with one value of the first INT4 tensor's part `suffix` set to `value`, in
+    its pack (or, `format_1`, in its own .npy), and the manifest's record of that file made true again."""
+    from squishlike.io.checksum import file_record
+    from squishlike.npydir import NpyDir
+    from .format1 import as_format_1
+
+    target = shutil.copytree(base.packed, d / "model")
+    if format_1:
+        return _set_part_value(as_format_1(target), suffix, value)
+    store = NpyDir(target)
+    name = next(n for n, e in store.entries.items() if e.scheme == "int4")
+    dtype, _ = store.entries[name].part_spec(suffix)
+    path, offset = pack(target, suffix), store.entries[name].files[suffix].offset
+    raw = bytearray(path.read_bytes())
+    raw[offset + 3 * dtype.itemsize:offset + 4 * dtype.itemsize] = np.array([value], np.float32).astype(dtype).tobytes()
+    path.write_bytes(bytes(raw))
+    return manifest_edit(target, lambda m: m["packs"].update({str(path.relative_to(target)): file_record(path)}))
+
+
+def _tier_scale(base: Base, d: Path, value: float) -> Path:
+    """A value of the int4 tier's first scales set to `value` in place, as a failing disk would (its sentinel made
+    to record the file's identity after the write, so that only the value tells)."""
+    from squishlike.io.sentinel import IDENTITY, identity
+
+    target = _loaded_copy(base, d, "int4")
+    path = target / INT4_TIER
+    raw = bytearray(path.read_bytes())
+    length = struct.unpack_from("<Q", raw)[0]
+    header = json.loads(raw[8:8 + length])
+    entry = header["model.layers.0.self_attn.q_proj.scales"]
+    dtype = {"F32": np.float32, "F16": np.float16}[entry["dtype"]]
+    at = 8 + length + entry["data_offsets"][0] + 3 * np.dtype(dtype).itemsize
+    raw[at:at + np.dtype(dtype).itemsize] = np.array([value], dtype).tobytes()
+    path.write_bytes(bytes(raw))
+    sentinel_edit(target, ".squish_4bit_ready", lambda p: _set(p, files={
+        rel: {**record, IDENTITY: identity(os.lstat(target / rel))} for rel, record in p["files"].items()}))
+    return target
+
+
+def _mlx_group_16(base: Base, d: Path) -> Path:
+    """A real MLX 4-bit directory whose q_proj is held in groups of 16 (each group-of-32 scale and offset twice: the
+    same weights) with the per-layer override that says so: a layer MLX does not build."""
+    from safetensors.numpy import load_file, save_file
+
+    target = _mlx_config(base, d, {})
+    weights = load_file(str(target / "model.safetensors"))
+    layer = Q.removesuffix(".weight")
+    for part_name in ("scales", "biases"):
+        weights[f"{layer}.{part_name}"] = np.repeat(weights[f"{layer}.{part_name}"], 2, axis=-1)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "mlx"})
+    config = json.loads((target / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        if key in config:
+            config[key][layer] = {"group_size": 16, "bits": 4}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 def _tier_edit(base: Base, d: Path, rel: str, edit) -> Path:
     """Edit the header of a tier file in place, keeping the file's size (so its sentinel still says "ready").
     `edit`: a function of the safetensors header dict (or of the .npy header text), or one of the raw edits
@@ -778,7 +929,11 @@ def _rerecord(target: Path, rel: str) -> None:
 
 
 def _part_values(base: Base, d: Path, suffix: str, value: float) -> Path:
-    target = npy_copy(base, d)
+    return _set_part_value(npy_copy(base, d), suffix, value)
+
+
+def _set_part_value(target: Path, suffix: str, value: float) -> Path:
+    """Format 1: a value of the first INT4 tensor's part `suffix` set to `value`, its manifest record made true."""
     p = part(target, suffix)
     a = np.load(p)
     a.flat[3] = value
@@ -1174,6 +1329,8 @@ def fill(template: str, target: Path, d: Path, base: Base) -> str:
     for suffix in ("s4", "z4"):
         if f"{{part:{suffix}}}" in template:
             template = template.replace(f"{{part:{suffix}}}", str(part(npy, suffix)))
+        if f"{{pack:{suffix}}}" in template:
+            template = template.replace(f"{{pack:{suffix}}}", str(pack(npy, suffix)))
     if "{config_blob}" in template:
         m = json.loads(target.read_text())
         values["config_blob"] = str(ollama_blob(target.parents[4], next(
@@ -1200,16 +1357,19 @@ def build_base(root: Path, tokenizer_dir: Path) -> Base:
     manifest = export(hf, "ollama", root / "ollama", ollama_name="tiny:latest")
     other = _compress(make_hf_model(root / "other-hf", CRASH_CONFIG, tokenizer_dir, seed=7), root / "other")
     load_in_process(other)
-    return Base(hf, npydir, built, root / "ollama", Path(manifest), digest, other)
+    packed = _compress(hf, root / "packed", tiers=None)
+    return Base(hf, npydir, built, root / "ollama", Path(manifest), digest, other, packed)
 
 
-def _compress(hf: Path, out: Path) -> Path:
-    """The base's store of `hf`, no tier built yet. Embeddings exact (the cases edit a passthrough tensor's record)
-    and no calibration: the cases need a store's structure, not its accuracy."""
+def _compress(hf: Path, out: Path, tiers: tuple[str, ...] | None = ("int4", "mlx", "finalized")) -> Path:
+    """The base's store of `hf`, no tier built yet, with the policy `tiers` names (None: compress's default).
+    Embeddings exact (the cases edit a passthrough tensor's record) and no calibration: the cases need a store's
+    structure, not its accuracy."""
     import squishlike
 
-    return Path(squishlike.compress(hf, out, scheme="int4", group_size=32, tiers=("int4", "mlx", "finalized"),
-                                    quantize_embeddings=False, awq=False, gptq=False, clip_search=False))
+    policy = {} if tiers is None else {"tiers": tiers}
+    return Path(squishlike.compress(hf, out, scheme="int4", group_size=32, quantize_embeddings=False, awq=False,
+                                    gptq=False, clip_search=False, **policy))
 
 
 def write_corpus(base: Base, dest: Path) -> list[Path]:

@@ -295,6 +295,21 @@ def test_non_finite_input_is_rejected(module, name, bad):
         getattr(module, name)(w)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [0, 1, 70_000, 200_001])  # several of the kernel's chunks of 65,536
+def test_first_non_finite_matches_reference(dtype, size):
+    """The finiteness check of scales and offsets (every load, docs/format.md §7): the first NaN or infinity's
+    index, in each dtype (bfloat16 as raw bits, its NaN and infinity patterns included), or None."""
+    rng = np.random.default_rng(size)
+    values = ref.from_float32(rng.normal(size=size).astype(np.float32) * 1e3, dtype)
+    assert rq.first_non_finite(values, dtype) is None is ref.first_non_finite(values, dtype)
+    for at, bad in ((size - 1, np.inf), (size * 2 // 3, np.nan), (size // 3, -np.inf)):
+        if size:
+            values[at] = ref.from_float32(np.array([bad], np.float32), dtype)[0]
+            assert rq.first_non_finite(values, dtype) == at == ref.first_non_finite(values, dtype)
+    assert rq.first_non_finite(values.reshape(1, -1), dtype) == ref.first_non_finite(values, dtype)
+
+
 @pytest.mark.parametrize("module", [rq, ref], ids=["rust", "reference"])
 def test_bad_group_sizes_and_shapes(module):
     w = np.ones((2, 96), np.float32)
