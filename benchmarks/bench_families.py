@@ -14,7 +14,12 @@ Each is scored by its mean KL to the source's next-token distribution on the eva
 tensor bytes (values, scales and biases, no padding: what mlx_lm's bits-per-weight counts), and what each of the
 store's tensors got (GPTQ, GPTQ per expert, round to nearest), from its manifest.
 
-    python -m benchmarks.bench_families [--types llama,qwen3_moe,...|default|all] [--out results/families.json]
+    python -m benchmarks.bench_families [--types llama,qwen3_moe,...|default|all] [--seeds 0,1,2]
+        [--options '{"clip_search": false}'] [--out results/families.json]
+
+One random model's KL is decided by the rounding of a few tensors (its input embedding above all, docs/design.md
+§7.5): `--seeds` draws several models per type and prints the ratios' geometric mean per type;
+`benchmarks/attribute_family.py` shows which tensors.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def methods(store: Path) -> dict[str, int]:
     return dict(counts)
 
 
-def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0) -> dict:
+def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options: dict | None = None) -> dict:
     import mlx_lm
 
     import squishlike
@@ -84,9 +89,9 @@ def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0) -> dict
     windows = ev.token_windows(tok, ev.load_text("eval_prose"), max_tokens=1024)
     cache = ev.ReferenceCache(reference, windows)
     del reference
-    row: dict = {"type": model_type, "seed": seed}
+    row: dict = {"type": model_type, "seed": seed, **({"options": options} if options else {})}
     builders = {
-        "squishlike": lambda out: squishlike.compress(src, out, scheme="int4"),
+        "squishlike": lambda out: squishlike.compress(src, out, scheme="int4", **(options or {})),
         "mlx_lm_gptq": lambda out: mlx_lm_gptq(src, out),
         "convert_q": lambda out: mlx_lm.convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=64,
                                                 dtype="bfloat16"),
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0",
                         help="comma-separated seeds of each type's random model; with more than one, the KL ratios' "
                         "geometric mean per type is printed too")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='compress options beside scheme="int4", as JSON, e.g. \'{"clip_search": false}\'')
     parser.add_argument("--out", type=Path, help="write the rows as JSON here, and the table beside it (.md)")
     args = parser.parse_args(argv)
     types = {"default": [*DEFAULT, *EXTRA], "all": sorted({*HAND, *GENERATED})}.get(args.types,
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for model_type in types:
             for seed in seeds:
                 print(f"== {model_type} seed {seed}", file=sys.stderr, flush=True)
-                rows.append(measure(model_type, work, tokenizer, seed))
+                rows.append(measure(model_type, work, tokenizer, seed, args.options))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = table(rows) + ("\n\n" + by_type(rows) if len(seeds) > 1 else "")
     print(text)
