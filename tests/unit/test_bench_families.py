@@ -1,5 +1,5 @@
-"""The family benchmark's seeds: each seed is another random model of the type, and the per-type summary is the
-geometric mean of its seeds' KL ratios (benchmarks/bench_families.py)."""
+"""The family benchmarks: each bench_families seed is another random model of the type, the per-type summary the
+geometric mean of its seeds' KL ratios; attribute_family's roundings of the input embedding."""
 
 from __future__ import annotations
 
@@ -32,3 +32,26 @@ def test_summary_is_the_geometric_mean_of_the_seeds():
     assert summary[3] == "| phi | 2.0 | 2.000 |"
     assert "| llama | 1 | 0.25 | 1.0 | not run | 0.25 |" in table(rows)
     assert "| phi | 2.0 | 1.0 |" in table([rows[2]])  # one seed: no seed column
+
+
+def test_embedding_roundings_of_a_tiny_llama(tmp_path):
+    """attribute_family's roundings of the input embedding are 4-bit grids in groups of 64, the clip search's
+    with the least squared error of the three roundings to nearest (docs/design.md §7.5), and the GPTQ on the first
+    layer's q, k, v is offered where that layer exists."""
+    from mlx.utils import tree_flatten
+
+    from benchmarks.attribute_family import embedding_roundings
+    from squishlike.evaluation import load_float32
+
+    model, _ = load_float32(build_source("llama", tmp_path / "llama", make_tokenizer(tmp_path / "tokenizer")))
+    source = dict(tree_flatten(model.parameters()))
+    w = source["model.embed_tokens.weight"]
+    found = embedding_roundings(w, source, "llama")
+    assert set(found) == {"clip search", "min-max", "mx.quantize", "GPTQ on the first layer's q, k, v"}
+    exact = w.astype(mx.bfloat16).astype(mx.float32)
+    errors = {label: mx.sum(mx.square(v - exact)).item() for label, v in found.items()}
+    assert 0 < errors["clip search"] < min(errors["min-max"], errors["mx.quantize"])
+    for v in found.values():
+        assert v.shape == w.shape
+        assert max(len(set(group.tolist())) for group in v.reshape(-1, 64)) <= 16
+    assert "GPTQ on the first layer's q, k, v" not in embedding_roundings(w, {}, "llama")
