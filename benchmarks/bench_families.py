@@ -14,13 +14,19 @@ Each is scored by its mean KL to the source's next-token distribution on the eva
 tensor bytes (values, scales and biases, no padding: what mlx_lm's bits-per-weight counts), and what each of the
 store's tensors got (GPTQ, GPTQ per expert, round to nearest), from its manifest.
 
-    python -m benchmarks.bench_families [--types llama,qwen3_moe,...|default|all] [--out results/families.json]
+    python -m benchmarks.bench_families [--types llama,qwen3_moe,...|default|all] [--seeds 0,1,2]
+        [--options '{"clip_search": false}'] [--out results/families.json]
+
+One random model's KL is decided by the rounding of a few tensors (its input embedding above all, docs/design.md
+§7.5): `--seeds` draws several models per type and prints the ratios' geometric mean per type;
+`benchmarks/attribute_family.py` shows which tensors.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -32,7 +38,7 @@ from pathlib import Path
 EXTRA = ("gemma3_text", "qwen2_moe", "deepseek_v3", "olmoe", "granitemoe", "phi", "cohere", "starcoder2")
 
 
-def build_source(model_type: str, directory: Path, tokenizer: Path) -> Path:
+def build_source(model_type: str, directory: Path, tokenizer: Path, seed: int = 0) -> Path:
     import mlx.core as mx
 
     from tests.support.arch_sweep import HAND, tiny_config
@@ -41,7 +47,7 @@ def build_source(model_type: str, directory: Path, tokenizer: Path) -> Path:
     config = HAND.get(model_type) or tiny_config(model_type)
     # Positions for the 1,024-token windows the calibration and the evaluation take (learned ones: gpt2's)
     config = {**config, **{k: 2048 for k in ("n_positions", "n_ctx", "max_position_embeddings") if k in config}}
-    make_hf_model(directory, config, tokenizer, dtype=mx.bfloat16, row_spread=1.0)
+    make_hf_model(directory, config, tokenizer, dtype=mx.bfloat16, seed=seed, row_spread=1.0)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     return directory
@@ -71,27 +77,27 @@ def methods(store: Path) -> dict[str, int]:
     return dict(counts)
 
 
-def measure(model_type: str, work: Path, tokenizer: Path) -> dict:
+def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options: dict | None = None) -> dict:
     import mlx_lm
 
     import squishlike
     from benchmarks.quality import tensor_bytes
     from squishlike import evaluation as ev
 
-    src = build_source(model_type, work / model_type, tokenizer)
+    src = build_source(model_type, work / f"{model_type}-{seed}", tokenizer, seed)
     reference, tok = ev.load_float32(src)
     windows = ev.token_windows(tok, ev.load_text("eval_prose"), max_tokens=1024)
     cache = ev.ReferenceCache(reference, windows)
     del reference
-    row: dict = {"type": model_type}
+    row: dict = {"type": model_type, "seed": seed, **({"options": options} if options else {})}
     builders = {
-        "squishlike": lambda out: squishlike.compress(src, out, scheme="int4"),
+        "squishlike": lambda out: squishlike.compress(src, out, scheme="int4", **(options or {})),
         "mlx_lm_gptq": lambda out: mlx_lm_gptq(src, out),
         "convert_q": lambda out: mlx_lm.convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=64,
                                                 dtype="bfloat16"),
     }
     for name, build in builders.items():
-        out = work / f"{model_type}-{name}"
+        out = work / f"{model_type}-{seed}-{name}"
         try:
             started = time.perf_counter()
             build(out)
@@ -106,6 +112,7 @@ def measure(model_type: str, work: Path, tokenizer: Path) -> dict:
             row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
             traceback.print_exc(file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(src, ignore_errors=True)
     ours, theirs = row["squishlike"], row["mlx_lm_gptq"]
     if "kl" in ours and "kl" in theirs:
         row["kl_ratio"] = round(ours["kl"] / theirs["kl"], 3)
@@ -114,13 +121,28 @@ def measure(model_type: str, work: Path, tokenizer: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| type | squishlike KL | mlx_lm GPTQ KL | convert -q KL | KL ratio | bytes ratio | tensors |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    seeds = len({r.get("seed", 0) for r in rows}) > 1
+    lines = [f"| type |{' seed |' if seeds else ''} squishlike KL | mlx_lm GPTQ KL | convert -q KL | KL ratio | "
+             "bytes ratio | tensors |", f"|---|{'---:|' if seeds else ''}---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cells = [r[k].get("kl", r[k].get("error", "")) for k in ("squishlike", "mlx_lm_gptq", "convert_q")]
         got = ", ".join(f"{n} {m}" for m, n in r["squishlike"].get("methods", {}).items())
-        lines.append(f"| {r['type']} | {' | '.join(map(str, cells))} | {r.get('kl_ratio', '')} | "
+        seed = f" {r.get('seed', 0)} |" if seeds else ""
+        lines.append(f"| {r['type']} |{seed} {' | '.join(map(str, cells))} | {r.get('kl_ratio', '')} | "
                      f"{r.get('bytes_ratio', '')} | {got} |")
+    return "\n".join(lines)
+
+
+def by_type(rows: list[dict]) -> str:
+    """Per type, the KL ratios of its seeds and their geometric mean: one random model's ratio swings with the
+    rounding luck of a few tensors (docs/design.md §7.5), the seeds' mean far less."""
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if "kl_ratio" in r:
+            ratios.setdefault(r["type"], []).append(r["kl_ratio"])
+    lines = ["| type | KL ratio per seed | geometric mean |", "|---|---|---:|"]
+    for t, rs in ratios.items():
+        lines.append(f"| {t} | {', '.join(map(str, rs))} | {math.exp(sum(map(math.log, rs)) / len(rs)):.3f} |")
     return "\n".join(lines)
 
 
@@ -132,22 +154,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", default="default",
                         help="comma-separated model types; 'default': the sweep's default share and a few more "
                         "families; 'all': every swept type")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated seeds of each type's random model; with more than one, the KL ratios' "
+                        "geometric mean per type is printed too")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='compress options beside scheme="int4", as JSON, e.g. \'{"clip_search": false}\'')
     parser.add_argument("--out", type=Path, help="write the rows as JSON here, and the table beside it (.md)")
     args = parser.parse_args(argv)
     types = {"default": [*DEFAULT, *EXTRA], "all": sorted({*HAND, *GENERATED})}.get(args.types,
                                                                                      args.types.split(","))
+    seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokenizer = make_tokenizer(work / "tokenizer")
         for model_type in types:
-            print(f"== {model_type}", file=sys.stderr, flush=True)
-            rows.append(measure(model_type, work, tokenizer))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(table(rows))
+            for seed in seeds:
+                print(f"== {model_type} seed {seed}", file=sys.stderr, flush=True)
+                rows.append(measure(model_type, work, tokenizer, seed, args.options))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    text = table(rows) + ("\n\n" + by_type(rows) if len(seeds) > 1 else "")
+    print(text)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
-        args.out.with_suffix(".md").write_text(table(rows) + "\n")
+        args.out.with_suffix(".md").write_text(text + "\n")
     return 0
 
 
