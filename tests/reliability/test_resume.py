@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +111,25 @@ def plain(clean, tmp_path_factory):
     return src, out
 
 
+def killed_partial(compress, src, parent, fault: str):
+    """The directory `compress` (into parent/out) leaves when killed at `fault`: killed once per module, copied for
+    each test (its name keys the source and the options, not where it lies)."""
+    killed = compress(src, parent / "out", fault=fault)
+    assert killed.returncode == -9, killed.stderr
+    [partial] = parent.glob(".out.partial-*")
+    return partial
+
+
+@pytest.fixture(scope="module")
+def plain_killed(plain, tmp_path_factory):
+    return killed_partial(plain_compress, plain[0], tmp_path_factory.mktemp("plain-killed"), "compress-unit:3")
+
+
+@pytest.fixture(scope="module")
+def calibrated_killed(clean, tmp_path_factory):
+    return killed_partial(cli_compress, clean[0], tmp_path_factory.mktemp("calibrated-killed"), "compress-unit:2")
+
+
 def same_store(out, want) -> None:
     """`out` is the store `want` is, byte for byte (its manifest but for when it was written), and holds nothing
     else: no link, no stray file."""
@@ -175,6 +196,7 @@ def _swap_packs(partial, outside):
 
 
 TAMPERING = {
+    "untouched": lambda partial, outside: None,  # the control: a copy of the killed run's directory goes on
     "partial-directory-is-a-link": lambda partial, outside: _move_out(partial.parent, partial.name, outside),
     "tensors-is-a-link": lambda partial, outside: _move_out(partial, "tensors", outside),
     "pack-is-a-link": lambda partial, outside: _move_out(partial, "tensors/pack-00000.safetensors", outside),
@@ -190,7 +212,7 @@ TAMPERING = {
 
 
 @pytest.mark.parametrize("how", TAMPERING)
-def test_a_tampered_partial_directory_is_never_trusted(plain, tmp_path, how):
+def test_a_tampered_partial_directory_is_never_trusted(plain, plain_killed, tmp_path, how):
     from support.watch import Watch, needs_inotify
 
     if needs_inotify.args[0]:
@@ -199,9 +221,7 @@ def test_a_tampered_partial_directory_is_never_trusted(plain, tmp_path, how):
     parent = tmp_path / "parent"
     parent.mkdir()
     out = parent / "out"
-    killed = plain_compress(src, out, fault="compress-unit:3")
-    assert killed.returncode == -9, killed.stderr
-    [partial] = parent.glob(".out.partial-*")
+    partial = Path(shutil.copytree(plain_killed, parent / plain_killed.name))
     outside = tmp_path / "outside"
     outside.mkdir()
     TAMPERING[how](partial, outside)
@@ -214,7 +234,9 @@ def test_a_tampered_partial_directory_is_never_trusted(plain, tmp_path, how):
     assert events == []  # nothing outside opened, listed, written or deleted
     same_store(out, want)
     assert sorted(p.name for p in parent.iterdir()) == ["out"]
-    if how != "stray-files":  # (a stray file is removed, the finished blocks kept)
+    if how in ("untouched", "stray-files"):  # (a stray file is removed, the finished blocks kept)
+        assert "compress: going on from" in again.stderr and "starting over" not in again.stderr, again.stderr
+    else:
         assert "starting over" in again.stderr and "compress: going on from" not in again.stderr
 
 
@@ -250,6 +272,7 @@ def _scale_hidden(arrays):
 
 
 STATE_EDITS = {
+    "untouched": lambda p: None,  # the control: a copy of the killed run's directory goes on
     "hidden-states-edited": lambda p: _state(p, edit_arrays=_scale_hidden),
     "promotion-plan-edited": lambda p: _state(p, edit_json=_promote("int8")),
     "unknown-scheme-in-the-plan": lambda p: _state(p, edit_json=_promote("int9")),
@@ -257,14 +280,15 @@ STATE_EDITS = {
 
 
 @pytest.mark.parametrize("how", STATE_EDITS)
-def test_an_edited_saved_state_starts_over_to_the_clean_store(clean, tmp_path, how):
+def test_an_edited_saved_state_starts_over_to_the_clean_store(clean, calibrated_killed, tmp_path, how):
     src, want = clean
     out = tmp_path / "out"
-    killed = cli_compress(src, out, fault="compress-unit:2")
-    assert killed.returncode == -9, killed.stderr
-    [partial] = tmp_path.glob(".out.partial-*")
+    partial = Path(shutil.copytree(calibrated_killed, tmp_path / calibrated_killed.name))
     STATE_EDITS[how](partial)
     again = cli_compress(src, out)
     assert again.returncode == 0, again.stderr
-    assert "starting over" in again.stderr and "compress: going on from" not in again.stderr
+    if how == "untouched":
+        assert "compress: going on from layer 0" in again.stderr and "starting over" not in again.stderr
+    else:
+        assert "starting over" in again.stderr and "compress: going on from" not in again.stderr
     assert written(out) == want
