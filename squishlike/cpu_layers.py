@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+from .quant import gather_qmv_int4
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 # From this many rows of input on, dequantizing the weight for one dense matmul is faster than float32
 # quantized_matmul, which costs the same for every row (crossover measured at 7-8 rows on the layer above).
@@ -42,15 +47,47 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
         (codes,) = mx.depends([layer.weight], [x])
         weight = mx.dequantize(codes, layer.scales, biases, layer.group_size, layer.bits, mode=layer.mode)
         return x @ weight.astype(x.dtype).T
+    if _kernel_takes(layer, biases):
+        rows = x.reshape(-1, x.shape[-1])
+        product = _kernel_product(layer, rows, layer.weight, layer.scales, biases, mx.zeros(rows.shape[0], mx.uint32))
+        return product.reshape(*x.shape[:-1], -1).astype(x.dtype)
     product = mx.quantized_matmul(x.astype(mx.float32), layer.weight, layer.scales, biases, transpose=True,
                                   group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
     return product.astype(x.dtype)
+
+
+def _kernel_takes(layer: nn.Module, biases: mx.array | None) -> bool:
+    """Whether the Rust kernel (quant.gather_qmv_int4) multiplies by `layer`'s weights: MLX's 4-bit affine form."""
+    return layer.bits == 4 and layer.mode == "affine" and biases is not None and layer.group_size in (32, 64, 128)
+
+
+def _numpy(a: mx.array) -> np.ndarray:
+    """`a` as a C-contiguous NumPy array, its own buffer where it is contiguous (bfloat16 as its uint16 bits)."""
+    return np.ascontiguousarray(memoryview(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+
+
+def _kernel_product(layer: nn.Module, rows: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
+                    experts: mx.array) -> mx.array:
+    """float32 [rows, out]: each of `rows` ([rows, cols]) times the matrix of (weight, scales, biases) `experts`
+    picks for it ([rows]), transposed, by the Rust kernel: ~3x mlx[cpu]'s float32 quantized_matmul and gather_qmm
+    on a generated token (benchmarks/bench_experts.py), and it takes a prompt's rows one expert at a time."""
+    product = gather_qmv_int4(_numpy(rows.astype(mx.float32)), _numpy(weight), _numpy(scales), _numpy(biases),
+                              _numpy(experts.astype(mx.uint32)), group_size=layer.group_size,
+                              scale_dtype=_DTYPE_NAMES[scales.dtype])
+    return mx.array(product)
 
 
 def expert_product(layer: nn.Module, x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None,
                    indices: mx.array, sorted_indices: bool) -> mx.array:
     """`layer`'s gather_qmm of x by the experts `indices` picks from (weight, scales, biases), in float32 on a
     CPU (mlx[cpu]'s fast path; module doc), cast back to x's dtype; as mlx_lm computes it anywhere else."""
+    if mx.default_device() == mx.cpu and _kernel_takes(layer, biases):
+        lead = np.broadcast_shapes(x.shape[:-2], indices.shape)
+        rows, cols = x.shape[-2], x.shape[-1]
+        xs = mx.broadcast_to(x, (*lead, rows, cols)).reshape(-1, cols)
+        experts = mx.repeat(mx.broadcast_to(indices, lead).reshape(-1), rows)
+        y = _kernel_product(layer, xs, weight, scales, biases, experts)
+        return y.reshape(*lead, rows, -1).astype(x.dtype)
     fast = mx.default_device() == mx.cpu and x.dtype != mx.float32
     y = mx.gather_qmm(x.astype(mx.float32) if fast else x, weight, scales, biases, rhs_indices=indices,
                       transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
