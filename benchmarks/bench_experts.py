@@ -6,11 +6,16 @@ Model: the shapes of Qwen3-30B-A3B (or Qwen1.5-MoE-A2.7B, `--shape qwen1.5-moe`)
 directory of random codes, per-group scales that keep each linear's output at its input's scale (so activations
 neither vanish nor blow up: embeddings of unit scale, norms at 1), routers dense; then `squishlike.compress` to an
 INT4 store (a repack of the codes). `--layers`, `--experts` and `--vocab` shrink it (the per-expert shapes stay
-the real ones); the store is built once under --workdir and reused.
+the real ones); the store is built once under --workdir and reused, and a store already at --workdir/store is taken
+as it is (the full-size run's: `squishlike compress` of bench_compress.py's `qwen-moe` bf16 source, where the disk
+holds one store but not a source and a store of this model).
 
 Each configuration runs in its own process, one after the other: load, a 16-token prompt, `--tokens` greedy
 tokens (mlx_lm's generate_step); decode tokens/s counts the tokens after the first. Peak RSS is the process's
-VmHWM. With `--cold` the store's files are dropped from the page cache (posix_fadvise) before each run;
+VmHWM, and the whole process's by `/usr/bin/time -v` where there is one. `--max-memory` adds a run of
+`squishlike.load(store, max_memory=...)` as a user calls it; `--bf16-baseline` the resident load as before the CPU
+path for experts (MLX's bf16 gather_qmm, MLX's float32 quantized_matmul), `--mlx-baseline` with MLX's float32
+products for both (the Rust kernel off). With `--cold` the store's files are dropped from the page cache (posix_fadvise) before each run;
 otherwise they are read once first, so every run finds them cached.
 
     python -m benchmarks.bench_experts --workdir DIR [--shape qwen3-moe] [--layers 48] [--experts 128]
@@ -232,7 +237,8 @@ def main() -> None:
               f"{'off' if args.no_readahead else 'on'}")
     print(header)
     children = ["resident", *(f"share:{int(b) / 100}" for b in args.budgets.split(",") if b)]
-    children += [f"max:{parse_size(args.max_memory)}"] * bool(args.max_memory)
+    if args.max_memory:
+        children.append(f"max:{parse_size(args.max_memory)}")
     children += ["resident-bf16"] * args.bf16_baseline + ["resident-mlx"] * args.mlx_baseline
     results = []
     for child in children:

@@ -13,8 +13,14 @@ bfloat16, and 0.53 s to dequantize the layer and run one bf16 matmul. So a quant
 Both are nearer the float32 product than bf16 `quantized_matmul` (whose accumulation in bf16 loses most).
 
 A MoE model's expert stacks (mlx_lm's QuantizedSwitchLinear, and the streamed stacks of squishlike/load/) run
-`gather_qmm` the same way, in float32 on the routed experts' rows (bf16 scales kept as they are): 2.7-6x the decode
-tokens/s of MLX's bf16 `gather_qmm` on Qwen3-MoE shapes (benchmarks/bench_experts.py --bf16-baseline).
+`gather_qmm` the same way, in float32 on the routed experts' rows (bf16 scales kept as they are).
+
+MLX's float32 `quantized_matmul` and `gather_qmm` themselves run ~1 GMAC/s on this VM, so where the weights are
+MLX's 4-bit affine form (a squishlike INT4 store's), a generated token's rows and every expert stack's rows go to
+the Rust kernel instead (`quant.gather_qmv_int4`, rust_quant/src/qmv.rs): each group's codes unpacked once and
+dotted with every row routed to that matrix, on every core; 2.5-4x MLX's float32 products on one layer (8 routed
+experts of a Qwen3-30B-A3B stack: 12 ms against 30 ms; a prompt of 16 tokens: 149 ms against 589 ms), the same
+float32 product summed in another order. Decode figures: benchmarks/README.md (bench_experts.py --bf16-baseline).
 
 The layers are `nn.QuantizedLinear` and `nn.QuantizedEmbedding` with the same parameters (mlx_lm's code that
 checks `isinstance`, saves or fuses them keeps working); only their matmul differs, so their outputs are not
@@ -36,6 +42,8 @@ _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bflo
 # From this many rows of input on, dequantizing the weight for one dense matmul is faster than float32
 # quantized_matmul, which costs the same for every row (crossover measured at 7-8 rows on the layer above).
 ROWS = 8
+# The most dense weight a prompt's product makes at once (in float32 bytes): see _quantized_product.
+BLOCK_BYTES = 64 << 20
 
 
 def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
@@ -43,10 +51,17 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
     biases = layer.get("biases")
     if x.size // x.shape[-1] >= ROWS:
         # Dequantized only once x is computed: otherwise MLX may schedule every layer's dequantize first, and the
-        # prompt pass would hold much of the dense model at once.
-        (codes,) = mx.depends([layer.weight], [x])
-        weight = mx.dequantize(codes, layer.scales, biases, layer.group_size, layer.bits, mode=layer.mode)
-        return x @ weight.astype(x.dtype).T
+        # prompt pass would hold much of the dense model at once. A block of output rows at a time: an output
+        # head's whole dense weight (151936 x 2048) took 3.1 GB at once for a 33-token prompt.
+        block = max(1, BLOCK_BYTES // (4 * x.shape[-1]))
+        products = []
+        for start in range(0, layer.weight.shape[0], block):
+            rows = slice(start, start + block)
+            (codes,) = mx.depends([layer.weight[rows]], [x if not products else products[-1]])
+            weight = mx.dequantize(codes, layer.scales[rows], None if biases is None else biases[rows],
+                                   layer.group_size, layer.bits, mode=layer.mode)
+            products.append(x @ weight.astype(x.dtype).T)
+        return products[0] if len(products) == 1 else mx.concatenate(products, axis=-1)
     if _kernel_takes(layer, biases):
         rows = x.reshape(-1, x.shape[-1])
         product = _kernel_product(layer, rows, layer.weight, layer.scales, biases, mx.zeros(rows.shape[0], mx.uint32))

@@ -126,3 +126,31 @@ def test_kernel_refuses_an_expert_it_does_not_hold():
     with pytest.raises(QuantizationError, match="scales has shape"):
         gather_qmv_int4(x, words, scales[:1].copy(), biases, np.array([0], np.uint32), group_size=64,
                         scale_dtype="float32")
+
+
+def test_prompt_product_dequantizes_a_block_of_rows_at_a_time(monkeypatch):
+    """A prompt through a large layer (an output head) never holds its whole dense weight: one block of output
+    rows is dequantized at a time (cpu_layers.BLOCK_BYTES), with the same result."""
+    from squishlike import cpu_layers
+
+    mx.random.seed(7)
+    linear = nn.Linear(512, 8192, bias=False)
+    linear.set_dtype(mx.bfloat16)
+    layer = switched(nn.QuantizedLinear.from_linear(linear, group_size=64, bits=4))
+    mx.eval(layer.parameters())
+    x = mx.random.normal((1, 2 * ROWS, 512)).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def product_and_peak() -> tuple[mx.array, int]:
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        y = layer(x)
+        mx.eval(y)
+        return y, mx.get_peak_memory() - base
+
+    whole, whole_peak = product_and_peak()  # 16 MB of float32 weight: one block
+    monkeypatch.setattr(cpu_layers, "BLOCK_BYTES", 1 << 20)
+    blocked, blocked_peak = product_and_peak()
+    assert whole_peak > 8192 * 512 * 2  # the whole weight dense, at least in bf16
+    assert blocked_peak < whole_peak / 4
+    assert mx.allclose(blocked, whole, rtol=2**-7, atol=1e-3).item()
