@@ -135,6 +135,20 @@ fn expect(name: &str, shape: &[usize], rows: usize, cols: usize) -> PyResult<()>
     shape::expect(name, shape, rows, cols).map_err(value_error)
 }
 
+/// A group-wise matrix's scales and biases (inputs), each checked to be [rows, groups].
+fn grid_inputs<'py, S: Stored>(
+    scales: &Bound<'py, PyAny>,
+    biases: &Bound<'py, PyAny>,
+    rows: usize,
+    groups: usize,
+) -> PyResult<(PyReadonlyArrayDyn<'py, S::Np>, PyReadonlyArrayDyn<'py, S::Np>)> {
+    let scales = input::<S::Np>("scales", scales)?;
+    expect("scales", scales.shape(), rows, groups)?;
+    let biases = input::<S::Np>("biases", biases)?;
+    expect("biases", biases.shape(), rows, groups)?;
+    Ok((scales, biases))
+}
+
 /// A group size from Python, where a negative number must be a ValueError rather than an OverflowError.
 fn positive_group(g: i64) -> PyResult<usize> {
     usize::try_from(g).map_err(|_| value_error(format!("group_size {g} must be positive")))
@@ -251,10 +265,7 @@ where
         K::check_group(cols, group_size).map_err(value_error)?;
         expect("packed", packed.shape(), rows, K::words(cols))?;
         expect("out", out.shape(), rows, cols)?;
-        let scales = input::<<S as Stored>::Np>("scales", scales)?;
-        expect("scales", scales.shape(), rows, cols / group_size)?;
-        let biases = input::<<S as Stored>::Np>("biases", biases)?;
-        expect("biases", biases.shape(), rows, cols / group_size)?;
+        let (scales, biases) = grid_inputs::<S>(scales, biases, rows, cols / group_size)?;
         let (packed, out) = (slice(&packed)?, O::view_mut(slice_mut(&mut out)?));
         let (scales, biases) = (S::view(slice(&scales)?), S::view(slice(&biases)?));
         py.allow_threads(|| affine::dequantize::<K, S, O>(packed, scales, biases, cols, group_size, out));
@@ -473,10 +484,7 @@ fn gather_qmv_int4(
     }
     expect("words", words.shape(), matrix_rows, cols / 8)?;
     with_dtype!(scale_dtype, S => {
-        let scales = input::<<S as Stored>::Np>("scales", scales)?;
-        expect("scales", scales.shape(), matrix_rows, cols / group)?;
-        let biases = input::<<S as Stored>::Np>("biases", biases)?;
-        expect("biases", biases.shape(), matrix_rows, cols / group)?;
+        let (scales, biases) = grid_inputs::<S>(scales, biases, matrix_rows, cols / group)?;
         let (x, words, experts, y) = (slice(&x)?, slice(&words)?, slice(&experts)?, slice_mut(&mut y)?);
         let (scales, biases) = (S::view(slice(&scales)?), S::view(slice(&biases)?));
         py.allow_threads(|| qmv::gather_qmv::<S>(x, cols, words, scales, biases, group, experts, y))
