@@ -55,10 +55,8 @@ pub fn gather_qmv<S: Float>(
         }
     }
     let block = task_rows(cols);
-    let tasks: Vec<(usize, usize, u32, usize)> = segments
-        .iter()
-        .flat_map(|&(first, n, e)| (0..out).step_by(block).map(move |o| (first, n, e, o)))
-        .collect();
+    let tasks: Vec<(usize, usize, u32, usize)> =
+        segments.iter().flat_map(|&(first, n, e)| (0..out).step_by(block).map(move |o| (first, n, e, o))).collect();
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|&(first, n, e, o0)| {
@@ -134,8 +132,16 @@ mod tests {
     use super::*;
 
     /// The product the slow way: every weight dequantized, one multiply-add at a time, in f64.
-    fn reference(x: &[f32], cols: usize, words: &[u32], scales: &[f32], biases: &[f32], group: usize,
-                 experts: &[u32], out: usize) -> Vec<f64> {
+    fn reference(
+        x: &[f32],
+        cols: usize,
+        words: &[u32],
+        scales: &[f32],
+        biases: &[f32],
+        group: usize,
+        experts: &[u32],
+        out: usize,
+    ) -> Vec<f64> {
         let mut y = vec![0f64; experts.len() * out];
         for (r, &e) in experts.iter().enumerate() {
             for o in 0..out {
