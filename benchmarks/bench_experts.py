@@ -6,15 +6,21 @@ Model: the shapes of Qwen3-30B-A3B (or Qwen1.5-MoE-A2.7B, `--shape qwen1.5-moe`)
 directory of random codes, per-group scales that keep each linear's output at its input's scale (so activations
 neither vanish nor blow up: embeddings of unit scale, norms at 1), routers dense; then `squishlike.compress` to an
 INT4 store (a repack of the codes). `--layers`, `--experts` and `--vocab` shrink it (the per-expert shapes stay
-the real ones); the store is built once under --workdir and reused.
+the real ones); the store is built once under --workdir and reused, and a store already at --workdir/store is taken
+as it is (the full-size run's: `squishlike compress` of bench_compress.py's `qwen-moe` bf16 source, where the disk
+holds one store but not a source and a store of this model).
 
 Each configuration runs in its own process, one after the other: load, a 16-token prompt, `--tokens` greedy
 tokens (mlx_lm's generate_step); decode tokens/s counts the tokens after the first. Peak RSS is the process's
-VmHWM. With `--cold` the store's files are dropped from the page cache (posix_fadvise) before each run;
+VmHWM, and the whole process's by `/usr/bin/time -v` where there is one. `--max-memory` adds a run of
+`squishlike.load(store, max_memory=...)` as a user calls it; `--bf16-baseline` the resident load as before the CPU
+path for experts (MLX's bf16 gather_qmm, MLX's float32 quantized_matmul), `--mlx-baseline` with MLX's float32
+products for both (the Rust kernel off). With `--cold` the store's files are dropped from the page cache (posix_fadvise) before each run;
 otherwise they are read once first, so every run finds them cached.
 
     python -m benchmarks.bench_experts --workdir DIR [--shape qwen3-moe] [--layers 48] [--experts 128]
-        [--vocab 151936] [--tokens 128] [--budgets 25,50,100] [--cold] [--bf16-baseline] [--no-readahead]
+        [--vocab 151936] [--tokens 128] [--budgets 25,50,100] [--budget-tokens N] [--max-memory 3GB] [--cold]
+        [--bf16-baseline] [--mlx-baseline] [--no-readahead] [--json FILE]
 
 The full Qwen3-30B-A3B shape (the defaults) writes a 17 GB source and a 17 GB store under --workdir.
 """
@@ -124,23 +130,30 @@ def build_store(workdir: Path, config: dict) -> Path:
 
 
 def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool = False,
-             readahead: bool = True) -> dict:
-    """One configuration, in this process: the resident load (`share` None) or experts streamed with a cache of
-    `share` of their bytes. `bf16_experts`: the resident load with its expert stacks on MLX's bf16 gather_qmm, as
-    before cpu_layers.CpuQuantizedSwitchLinear (the baseline of the CPU path). `readahead`: whether the cache
-    announces the sibling stacks' experts to the kernel (ExpertCache.readahead)."""
+             readahead: bool = True, max_memory: int | None = None, kernel: bool = True) -> dict:
+    """One configuration, in this process: the resident load (`share` None), experts streamed with a cache of
+    `share` of their bytes, or (`max_memory`) `squishlike.load(store, max_memory=...)` as a user calls it.
+    `bf16_experts`: the resident load as before the CPU path for experts (the baseline of issue 42's item 4): its
+    expert stacks on MLX's bf16 gather_qmm, its dense layers on MLX's float32 quantized_matmul. `readahead`: whether
+    the cache announces the sibling stacks' experts to the kernel (ExpertCache.readahead). `kernel`: whether the
+    quantized layers take the Rust kernel (cpu_layers.KERNEL), or MLX's float32 quantized_matmul and gather_qmm."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     import squishlike
+    from squishlike import cpu_layers
     from squishlike.load.budget import expert_stacks, streamed_budget
     from squishlike.load.experts import ExpertCache, expert_cache
     from squishlike.load.streamed import load_streamed
     from squishlike.npydir import NpyDir
 
     ExpertCache.readahead = readahead
+    cpu_layers.KERNEL = kernel and not bf16_experts
     started = time.perf_counter()
-    if share is None:
+    if max_memory is not None:
+        model, _ = squishlike.load(store, max_memory=max_memory)
+        budget = None
+    elif share is None:
         model, _ = squishlike.load(store)
         budget = None
         if bf16_experts:
@@ -167,7 +180,7 @@ def run_once(store: Path, share: float | None, tokens: int, bf16_experts: bool =
     return {
         "share": share, "load_s": load_s, "prefill_s": stamps[0] - started, "tokens": generated,
         "decode_tps": (len(generated) - 1) / decode_s if decode_s else 0.0, "peak_rss": _vm_hwm(),
-        "max_memory": budget.max_memory if budget else None,
+        "max_memory": budget.max_memory if budget else max_memory, "cache": cache.capacity if cache else None,
         "hit_rate": cache.stats.hit_rate if cache else None,
         "read_per_token": cache.stats.bytes_read / len(generated) if cache else None,
     }
@@ -187,17 +200,25 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, help="vocabulary size (default: the model's)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--budgets", default="25,50,100", help="expert caches, in %% of the experts' bytes")
+    parser.add_argument("--budget-tokens", type=int,
+                        help="tokens of the --budgets runs (default --tokens): fewer, where a long run is slow")
+    parser.add_argument("--max-memory", help="also run squishlike.load(store, max_memory=...), e.g. 3GB")
     parser.add_argument("--cold", action="store_true", help="drop the store from the page cache before each run")
     parser.add_argument("--bf16-baseline", action="store_true",
-                        help="also run the resident load with its experts on MLX's bf16 gather_qmm (mlx[cpu])")
+                        help="also run the resident load as before the CPU path for experts (MLX's bf16 gather_qmm)")
+    parser.add_argument("--mlx-baseline", action="store_true",
+                        help="also run the resident load on MLX's float32 gather_qmm and quantized_matmul")
     parser.add_argument("--no-readahead", action="store_true",
                         help="streamed runs without the sibling stacks' readahead (to measure it)")
+    parser.add_argument("--json", type=Path, help="write every run's figures (and its tokens) here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        share = None if args.child.startswith("resident") else float(args.child)
-        print(json.dumps(run_once(args.workdir / "store", share, args.tokens, args.child == "resident-bf16",
-                                  not args.no_readahead)))
+        kind, _, value = args.child.partition(":")
+        share = float(value) if kind == "share" else None
+        max_memory = int(value) if kind == "max" else None
+        print(json.dumps(run_once(args.workdir / "store", share, args.tokens, kind == "resident-bf16",
+                                  not args.no_readahead, max_memory, kind != "resident-mlx")))
         return
     config = dict(SHAPES[args.shape])
     for key, value in (("num_hidden_layers", args.layers), ("num_experts", args.experts), ("vocab_size", args.vocab)):
@@ -206,16 +227,21 @@ def main() -> None:
     workdir = args.workdir
     store = build_store(workdir, config)
     from benchmarks.loadbench.pagecache import evict
+    from squishlike.load.budget import parse_size
 
     files = sorted((store / "tensors").glob("*.safetensors"))
     store_gb = sum(f.stat().st_size for f in files) / 1e9
-    print(f"{args.shape}: {config['num_hidden_layers']} layers, {config['num_experts']} experts (top "
-          f"{config['num_experts_per_tok']}), vocab {config['vocab_size']}; INT4 store {store_gb:.2f} GB; "
-          f"{args.tokens} tokens; page cache: {'dropped' if args.cold else 'warm'}; readahead "
-          f"{'off' if args.no_readahead else 'on'}")
+    header = (f"{args.shape}: {config['num_hidden_layers']} layers, {config['num_experts']} experts (top "
+              f"{config['num_experts_per_tok']}), vocab {config['vocab_size']}; INT4 store {store_gb:.2f} GB; "
+              f"{args.tokens} tokens; page cache: {'dropped' if args.cold else 'warm'}; readahead "
+              f"{'off' if args.no_readahead else 'on'}")
+    print(header)
+    children = ["resident", *(f"share:{int(b) / 100}" for b in args.budgets.split(",") if b)]
+    if args.max_memory:
+        children.append(f"max:{parse_size(args.max_memory)}")
+    children += ["resident-bf16"] * args.bf16_baseline + ["resident-mlx"] * args.mlx_baseline
     results = []
-    children = ["resident", *(str(int(b) / 100) for b in args.budgets.split(","))]
-    for child in children + ["resident-bf16"] * args.bf16_baseline:
+    for child in children:
         if args.cold:
             evict(files)
         else:
@@ -223,29 +249,51 @@ def main() -> None:
                 with open(f, "rb") as handle:
                     while handle.read(64 << 20):
                         pass
-        run = subprocess.run([sys.executable, "-m", "benchmarks.bench_experts", "--workdir", str(workdir),
-                              "--tokens", str(args.tokens), "--child", child, *["--no-readahead"] * args.no_readahead],
-                             capture_output=True, text=True)
-        if run.returncode:
-            sys.exit(f"{child} failed:\n{run.stderr}")
-        results.append({**json.loads(run.stdout.splitlines()[-1]), "child": child})
+        tokens = args.budget_tokens if child.startswith("share:") and args.budget_tokens else args.tokens
+        results.append({**_run_child(workdir, child, tokens, args.no_readahead), "child": child})
+        if args.json:  # after every run: a long run's figures survive a later one's failure
+            args.json.write_text(json.dumps({"header": header, "runs": results}, indent=1))
+    _print_table(results)
+
+
+def _run_child(workdir: Path, child: str, tokens: int, no_readahead: bool) -> dict:
+    """One configuration in a fresh process, under `/usr/bin/time -v` where there is one (the whole process's
+    peak RSS, as the issue measures it, beside the child's own VmHWM)."""
+    command = [sys.executable, "-m", "benchmarks.bench_experts", "--workdir", str(workdir), "--tokens", str(tokens),
+               "--child", child, *["--no-readahead"] * no_readahead]
+    timed = Path("/usr/bin/time").is_file()
+    run = subprocess.run(["/usr/bin/time", "-v", *command] if timed else command, capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"{child} failed:\n{run.stderr}")
+    result = json.loads(run.stdout.splitlines()[-1])
+    if timed:
+        line = next(l for l in run.stderr.splitlines() if "Maximum resident set size" in l)
+        result["time_v_peak_rss"] = int(line.split(":")[1]) * 1024
+    return result
+
+
+def _print_table(results: list[dict]) -> None:
     base = results[0]
-    print(f"{'load':<16}{'max_memory':>12}{'peak RSS':>10}{'load s':>8}{'prefill s':>10}{'decode tok/s':>14}"
-          f"{'vs resident':>12}{'hit rate':>10}{'MB read/token':>15}")
+    print(f"{'load':<22}{'max_memory':>12}{'peak RSS':>10}{'time -v':>9}{'load s':>8}{'prefill s':>10}"
+          f"{'decode tok/s':>14}{'vs resident':>12}{'hit rate':>10}{'MB read/token':>15}")
     for r in results:
-        name = {"resident": "resident", "resident-bf16": "resident bf16"}.get(r["child"],
-                                                                          f"experts {100 * (r['share'] or 0):.0f} %")
-        if r["child"] == "resident-bf16":  # another accumulation: the tokens may part on a random model
+        kind, _, value = r["child"].partition(":")
+        name = {"resident": "resident", "resident-bf16": "resident, before (bf16)",
+                "resident-mlx": "resident, MLX float32", "share": f"experts {100 * float(value or 0):.0f} %",
+                "max": "load(max_memory)"}[kind]
+        if kind in ("resident-bf16", "resident-mlx"):  # another accumulation: the tokens may part on a random model
             same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
-            print(f"(resident bf16: {same} of {len(base['tokens'])} tokens as the float32 path's)", file=sys.stderr)
+            print(f"({name}: {same} of {len(base['tokens'])} tokens as the Rust kernel's)", file=sys.stderr)
         else:
-            assert r["tokens"] == base["tokens"], f"{name}: tokens differ from the resident load's"
+            assert r["tokens"] == base["tokens"][:len(r["tokens"])], f"{name}: tokens differ from the resident load's"
         budget = f"{r['max_memory'] / 1e9:.2f} GB" if r["max_memory"] else "-"
         hit = f"{100 * r['hit_rate']:.1f} %" if r["hit_rate"] is not None else "-"
         read = f"{r['read_per_token'] / 1e6:.1f}" if r["read_per_token"] is not None else "-"
-        print(f"{name:<16}{budget:>12}{r['peak_rss'] / 1e9:>8.2f}GB{r['load_s']:>8.1f}{r['prefill_s']:>10.2f}"
-              f"{r['decode_tps']:>14.2f}{r['decode_tps'] / base['decode_tps']:>11.2f}x{hit:>10}{read:>15}")
-    print("same tokens as the resident load: yes (every streamed run)")
+        timed = f"{r['time_v_peak_rss'] / 1e9:.2f}GB" if "time_v_peak_rss" in r else "-"
+        print(f"{name:<22}{budget:>12}{r['peak_rss'] / 1e9:>8.2f}GB{timed:>9}{r['load_s']:>8.1f}"
+              f"{r['prefill_s']:>10.2f}{r['decode_tps']:>14.2f}{r['decode_tps'] / base['decode_tps']:>11.2f}x"
+              f"{hit:>10}{read:>15}")
+    print("same tokens as the resident load (as many as each run generated): yes (every streamed run)")
 
 
 if __name__ == "__main__":

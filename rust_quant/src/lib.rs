@@ -21,6 +21,7 @@ pub mod hash;
 pub mod int4;
 pub mod int8;
 pub mod int8g;
+pub mod qmv;
 pub mod shape;
 mod simd;
 
@@ -132,6 +133,20 @@ fn rows_cols(name: &str, shape: &[usize]) -> PyResult<(usize, usize)> {
 
 fn expect(name: &str, shape: &[usize], rows: usize, cols: usize) -> PyResult<()> {
     shape::expect(name, shape, rows, cols).map_err(value_error)
+}
+
+/// A group-wise matrix's scales and biases (inputs), each checked to be [rows, groups].
+fn grid_inputs<'py, S: Stored>(
+    scales: &Bound<'py, PyAny>,
+    biases: &Bound<'py, PyAny>,
+    rows: usize,
+    groups: usize,
+) -> PyResult<(PyReadonlyArrayDyn<'py, S::Np>, PyReadonlyArrayDyn<'py, S::Np>)> {
+    let scales = input::<S::Np>("scales", scales)?;
+    expect("scales", scales.shape(), rows, groups)?;
+    let biases = input::<S::Np>("biases", biases)?;
+    expect("biases", biases.shape(), rows, groups)?;
+    Ok((scales, biases))
 }
 
 /// A group size from Python, where a negative number must be a ValueError rather than an OverflowError.
@@ -250,10 +265,7 @@ where
         K::check_group(cols, group_size).map_err(value_error)?;
         expect("packed", packed.shape(), rows, K::words(cols))?;
         expect("out", out.shape(), rows, cols)?;
-        let scales = input::<<S as Stored>::Np>("scales", scales)?;
-        expect("scales", scales.shape(), rows, cols / group_size)?;
-        let biases = input::<<S as Stored>::Np>("biases", biases)?;
-        expect("biases", biases.shape(), rows, cols / group_size)?;
+        let (scales, biases) = grid_inputs::<S>(scales, biases, rows, cols / group_size)?;
         let (packed, out) = (slice(&packed)?, O::view_mut(slice_mut(&mut out)?));
         let (scales, biases) = (S::view(slice(&scales)?), S::view(slice(&biases)?));
         py.allow_threads(|| affine::dequantize::<K, S, O>(packed, scales, biases, cols, group_size, out));
@@ -437,6 +449,49 @@ fn gptq_affine<K: Packing>(
     })
 }
 
+/// y = x @ W[experts].T row by row: x float32 [rows, cols], W the [experts * out, cols] MLX 4-bit affine matrices
+/// of `words` (uint32 [experts * out, cols / 8]), `scales` and `biases` ([experts * out, cols / group_size],
+/// scale_dtype), experts uint32 [rows], y float32 [rows, out] (rust_quant/src/qmv.rs).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gather_qmv_int4(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    words: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    biases: &Bound<'_, PyAny>,
+    experts: &Bound<'_, PyAny>,
+    y: &Bound<'_, PyAny>,
+    group_size: i64,
+    scale_dtype: &str,
+) -> PyResult<()> {
+    let group = positive_group(group_size)?;
+    let x = input::<f32>("x", x)?;
+    let (rows, cols) = rows_cols("x", x.shape())?;
+    let experts = input::<u32>("experts", experts)?;
+    shape::expect_len("experts", experts.shape(), rows).map_err(value_error)?;
+    let mut y = output::<f32>("y", y)?;
+    let (_, out) = rows_cols("y", y.shape())?;
+    expect("y", y.shape(), rows, out)?;
+    let words = input::<u32>("words", words)?;
+    let (matrix_rows, _) = rows_cols("words", words.shape())?;
+    if out == 0 || !matrix_rows.is_multiple_of(out) || !cols.is_multiple_of(group) {
+        return Err(value_error(format!(
+            "words has shape {:?}: not whole [out={out}, cols/8={}] matrices, or {cols} columns not in groups of {group}",
+            words.shape(),
+            cols / 8
+        )));
+    }
+    expect("words", words.shape(), matrix_rows, cols / 8)?;
+    with_dtype!(scale_dtype, S => {
+        let (scales, biases) = grid_inputs::<S>(scales, biases, matrix_rows, cols / group)?;
+        let (x, words, experts, y) = (slice(&x)?, slice(&words)?, slice(&experts)?, slice_mut(&mut y)?);
+        let (scales, biases) = (S::view(slice(&scales)?), S::view(slice(&biases)?));
+        py.allow_threads(|| qmv::gather_qmv::<S>(x, cols, words, scales, biases, group, experts, y))
+            .map_err(value_error)
+    })
+}
+
 /// The pack and unpack pyfunctions of one packing: codes (uint8, one per element) to the scheme's packed words and
 /// back (the codes' 2-D shape gives the columns).
 macro_rules! packing_bindings {
@@ -596,6 +651,7 @@ fn rust_quant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unpack_int6, m)?)?;
     m.add_function(wrap_pyfunction!(gptq_group, m)?)?;
     m.add_function(wrap_pyfunction!(first_non_finite, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_qmv_int4, m)?)?;
     m.add_class::<PyXxh3>()?;
     Ok(())
 }

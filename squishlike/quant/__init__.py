@@ -56,6 +56,7 @@ __all__ = [
     "dequantize_int6",
     "gptq_group",
     "first_non_finite",
+    "gather_qmv_int4",
 ]
 
 
@@ -209,3 +210,14 @@ def first_non_finite(values: np.ndarray, dtype: str) -> int | None:
     """The flat index of the first NaN or infinite value of `values` (C-contiguous, stored values of `dtype`:
     bfloat16 as its uint16 bits), None when every value is finite; tested on every core."""
     return _rq.first_non_finite(values, dtype)
+
+
+def gather_qmv_int4(x: np.ndarray, words: np.ndarray, scales: np.ndarray, biases: np.ndarray, experts: np.ndarray,
+                    *, group_size: int, scale_dtype: str) -> np.ndarray:
+    """float32 [rows, out]: each row of `x` (float32 [rows, cols]) times the MLX 4-bit affine matrix its entry of
+    `experts` (uint32 [rows]) picks from `words` (MLX's uint32 words, [..., out, cols / 8]: one matrix or a stack of
+    them), `scales` and `biases` (scale_dtype's storage, [..., out, cols / group_size]); transposed, as
+    `mx.gather_qmm(..., transpose=True)` multiplies. The rows routed to one matrix share each group's unpacking."""
+    y = np.empty((x.shape[0], words.shape[-2]), np.float32)
+    _rq.gather_qmv_int4(x, words, scales, biases, experts, y, group_size, scale_dtype)
+    return y
