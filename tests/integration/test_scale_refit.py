@@ -89,6 +89,20 @@ def test_a_refitted_store_keeps_gptqs_codes_and_reads_the_same_everywhere(tmp_pa
     assert_same_weights(squishlike.load(out, tier="int4")[0], mlx_lm.load(str(exported))[0])
 
 
+def test_a_second_size_copies_no_tensor_rounded_without_the_refit(tmp_path, tiny_llama, capfd):
+    """A `sensitivity_from` store's parts are copied only where this compress would write the same ones: with the
+    refit on here and off there (or the other way), none are."""
+    plain = squishlike.compress(tiny_llama, tmp_path / "plain", bpw=4.5)
+    refitted = squishlike.compress(tiny_llama, tmp_path / "refit", bpw=4.5, refit_scales=True)
+    for source, refit_scales in ((plain, True), (refitted, False)):
+        capfd.readouterr()
+        out = squishlike.compress(tiny_llama, tmp_path / f"again-{refit_scales}", bpw=5.5, sensitivity_from=source,
+                                  refit_scales=refit_scales)
+        copied = next(line for line in capfd.readouterr().err.splitlines() if "tensors keep the width" in line)
+        assert copied.split()[1] == "0"
+        assert ("scale_refit" in NpyDir(out).manifest.extra) == refit_scales
+
+
 @pytest.mark.parametrize("options,message", [
     ({"refit_scales": "yes"}, "refit_scales='yes' is not True or False"),
     ({"refit_scales": True, "gptq": False}, "refit_scales=True refits the grid of GPTQ's codes, and GPTQ is off"),
