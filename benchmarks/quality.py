@@ -1,7 +1,7 @@
 """The quantization quality table: every scheme squishlike stores, and mlx_lm's own conversions (2- to 8-bit,
 its mixed recipes and floating-point modes, float32 and bfloat16 scales, and its calibrated methods: GPTQ, AWQ,
-dynamic quantization), against the unquantized reference, on the shipped evaluation prose; every row with its bytes
-at rest and its bits a weight, with --pareto the KL-against-bits-a-weight chart (an SVG, and the CSV of its
+dynamic quantization, DWQ), against the unquantized reference, on the shipped evaluation prose; every row with its
+bytes at rest and its bits a weight, with --pareto the KL-against-bits-a-weight chart (an SVG, and the CSV of its
 points), and with --targets issue 33's bars (see benchmarks/README.md, "Bits per weight: the curve").
 
     PYTHONPATH=. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -58,7 +58,10 @@ ROWS: list[tuple[str, str, dict]] = [
     ("mlx_lm 4-bit g64 GPTQ (mlx_lm.quant.gptq)", "mlx_lm_gptq", {"bits": 4, "group_size": 64}),
     ("mlx_lm 4-bit g64 AWQ, 10-point grid (mlx_lm.quant.awq)", "mlx_lm_awq",
      {"bits": 4, "group_size": 64, "n_grid": 10}),
+    *((f"mlx_lm {b}-bit g64 DWQ, 18 steps (mlx_lm.quant.dwq)", "mlx_lm_dwq", {"bits": b, "group_size": 64})
+      for b in (4, 3)),
     ("INT4 default (g64, AWQ+GPTQ+clip, embeddings INT4)", "npydir", {"scheme": "int4"}),
+    ("INT4 default + scale refit", "npydir", {"scheme": "int4", "refit_scales": True}),
     ("INT4 g64 RTN", "npydir", {"scheme": "int4", **PLAIN}),
     ("INT4 g64 clip", "npydir", {"scheme": "int4", **PLAIN, "clip_search": True}),
     ("INT4 g64 AWQ+clip", "npydir", {"scheme": "int4", "gptq": False}),
@@ -69,6 +72,9 @@ ROWS: list[tuple[str, str, dict]] = [
      {"scheme": "int4", "gptq": False, "mixed_precision": 0.1, **EXACT}),
     ("INT3 g64 RTN", "npydir", {"scheme": "int3", "group_size": 64}),
     ("INT3 g32 AWQ+clip", "npydir", {"scheme": "int3", "group_size": 32, "awq": True, "clip_search": True}),
+    *((f"INT3 g64 AWQ+GPTQ+clip{extra}", "npydir", {"scheme": "int3", "group_size": 64, "awq": True, "gptq": True,
+                                                      "clip_search": True, "int3_gate": False, **options})
+      for extra, options in (("", {}), (" + scale refit", {"refit_scales": True}))),
 ]
 
 # Issue 33's curve: mean KL against real bits per weight, a family of rows per method. mlx_lm's rows are in bfloat16
@@ -101,7 +107,9 @@ DYNAMIC_ROWS = [(f"mlx_lm dynamic {low}/{high}-bit g64 at {t:g} bits a weight (m
 BPW_MEASURED = "squishlike --bpw 4.5"
 BPW_ROWS = [(BPW_MEASURED, "npydir", {"bpw": 4.5}),
             *((f"squishlike --bpw {t:g}", "npydir", {"bpw": t, "sensitivity_from": BPW_MEASURED})
-              for t in (2.5, 3, 3.5, 4, 5, 6, 8))]
+              for t in (2.5, 3, 3.5, 4, 5, 6, 8)),
+            *((f"squishlike --bpw {t:g} + scale refit", "npydir",
+               {"bpw": t, "sensitivity_from": BPW_MEASURED, "refit_scales": True}) for t in (3, 3.5, 4.5))]
 ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS
 
 # The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
@@ -185,12 +193,11 @@ def build(label: str, kind: str, options: dict, gguf: Path, workdir: Path) -> tu
 
 
 def mlx_lm_calibrated(method: str, hf: Path, out: Path, bits: int, group_size: int, **options) -> None:
-    """mlx_lm's own calibrated quantization (mlx_lm.quant: gptq, awq or dynamic), through the Python functions its
+    """mlx_lm's own calibrated quantization (mlx_lm.quant: gptq, awq, dynamic or dwq), through the Python functions its
     command lines call, which take the calibration tokens as an argument: squishlike's calibration text, since those
     command lines download a calibration text, which this machine cannot. Weights it leaves unquantized otherwise
     (the embedding) at the same bits and group size, so its bytes are convert -q's. Float32 passes, then everything
-    in bfloat16. (DWQ, mlx_lm.quant.dwq, also takes its data as an argument, but trains through quantized matmuls,
-    which on mlx[cpu] took over 4 minutes for one 256-token validation pass: not run here.)"""
+    in bfloat16."""
     import mlx.core as mx
     from mlx_lm.utils import load, save
 
@@ -256,8 +263,70 @@ def _dynamic(model, config: dict, tokens: list[int], bits: int, group_size: int,
     return quantize_model(model, config, group_size=group_size, bits=bits, quant_predicate=predicate)
 
 
+DWQ_LENGTH = 256  # tokens a DWQ training sample holds: the calibration text cut into 9 of them
+DWQ_EPOCHS = 2  # passes over those samples (18 steps of one sample)
+DWQ_RATE = 2.8e-5  # Adam's rate: steps x rate = its command line's 512 steps x 1e-6 (within 2 %)
+
+
+def _dwq(model, config: dict, tokens: list[int], bits: int, group_size: int):
+    """Distilled weight quantization (mlx_lm.quant.dwq's dwq_quantize): the model rounded to nearest, then its
+    scales and biases trained by Adam on the KL (temperature 2) between its logits and the float model's on the
+    calibration text. Its command line takes 2,048 samples of 1,024 tokens from a downloaded data set (512 steps of
+    4, rate 1e-6); here the calibration text's 9 samples of DWQ_LENGTH tokens, DWQ_EPOCHS times over, one a step,
+    at DWQ_RATE. The teacher's logits are computed once per sample in float32 and kept (its command line's
+    --target-dir keeps the top 1,024 of each). The student trains in float32, its quantized layers computed as
+    their dequantized weights times the input (the same function and gradients: mlx[cpu]'s quantized matmul took
+    over 4 minutes for one 256-token validation pass, float32 BLAS takes seconds), and is saved in bfloat16 as
+    every other row; dwq_quantize's validation loss, which only reports, runs on one training sample."""
+    import copy
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optimizers
+    import numpy as np
+    from mlx_lm.quant.dwq import dwq_quantize
+    from mlx_lm.utils import quantize_model
+
+    def dense(layer) -> mx.array:
+        return mx.dequantize(layer["weight"], layer["scales"], layer["biases"], group_size=layer.group_size,
+                             bits=layer.bits)
+
+    class DenseLinear(nn.QuantizedLinear):
+        def __call__(self, x):
+            y = x @ dense(self).T
+            return y + self["bias"] if "bias" in self else y
+
+    class DenseEmbedding(nn.QuantizedEmbedding):
+        def as_linear(self, x):
+            return x @ dense(self).T
+
+    model.set_dtype(mx.float32)
+    samples = [(row.tolist(), 0) for row in np.array(sequences(tokens, DWQ_LENGTH))]
+    student = copy.deepcopy(model)
+    _, config = quantize_model(student, config, group_size=group_size, bits=bits)
+    swapped = {nn.QuantizedLinear: DenseLinear, nn.QuantizedEmbedding: DenseEmbedding}
+    layers = [m for _, m in student.named_modules() if type(m) in swapped]
+    for layer in layers:
+        layer.__class__ = swapped[type(layer)]
+    teacher: dict[bytes, mx.array] = {}
+
+    def targets(batch, _, split):
+        key = np.array(batch).tobytes()
+        if key not in teacher:
+            teacher[key] = mx.stop_gradient(model(batch))
+            mx.eval(teacher[key])
+        return teacher[key]
+
+    dwq_quantize(student, targets, optimizers.Adam(learning_rate=DWQ_RATE, bias_correction=True),
+                 samples * DWQ_EPOCHS, samples[:1], batch_size=1, max_seq_length=DWQ_LENGTH + 1, seed=0,
+                 dtype=mx.float32)
+    for layer in layers:
+        layer.__class__ = layer.__class__.__base__
+    return student, config
+
+
 # mlx_lm.quant's methods: (model, config) -> (the quantized model, its config saying how).
-CALIBRATED = {"gptq": _gptq, "awq": _awq, "dynamic": _dynamic}
+CALIBRATED = {"gptq": _gptq, "awq": _awq, "dynamic": _dynamic, "dwq": _dwq}
 
 
 def evaluate_rows(args) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -418,7 +487,7 @@ def family(row: dict) -> str | None:
     """The curve a row is a point of on the chart (None: a point on its own)."""
     kind, options = row["kind"], row["options"]
     if kind == "npydir" and "bpw" in options:
-        return "squishlike --bpw"
+        return "squishlike --bpw" + (", scale refit" if options.get("refit_scales") else "")
     if kind == "mlx_lm" and "quant_predicate" in options:
         return "mlx_lm mixed recipes"
     if kind == "mlx_lm" and "q_bits" in options:
@@ -428,8 +497,8 @@ def family(row: dict) -> str | None:
     return None
 
 
-FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e",
-                  "mlx_lm dynamic_quant": "#2ca02c"}
+FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw, scale refit": "#9467bd",
+                  "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e", "mlx_lm dynamic_quant": "#2ca02c"}
 
 
 def pareto(results: list[dict], csv_path: Path) -> Path:

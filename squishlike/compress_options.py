@@ -56,6 +56,7 @@ class CompressOptions:
     # Calibration (squishlike/calibration/; each runs the source model in float32 on data/calibration.txt):
     awq: bool | None = None  # activation-aware per-input-channel scaling, folded into norms / v / up
     gptq: bool | None = None  # error-compensating rounding of the linears and the head (group-wise schemes)
+    refit_scales: bool = False  # GPTQ's grid refitted to its codes on the output error (calibration/rounding.py)
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
     int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
@@ -74,6 +75,8 @@ class CompressOptions:
         self.bits = tuple(tuple(rule) if isinstance(rule, list) else rule for rule in self.bits)  # JSON's lists
         if self.quantize_embeddings is None:
             self.quantize_embeddings = self.scheme in EMBEDDINGS_QUANTIZED_BY_DEFAULT
+        if self.gptq is None and self.refit_scales is True:  # it refits GPTQ's grid
+            self.gptq = True
         for method in ("awq", "gptq", "clip_search"):
             if getattr(self, method) is None:
                 setattr(self, method, self.scheme in CALIBRATED_BY_DEFAULT)
@@ -115,6 +118,10 @@ class CompressOptions:
             self._validate_bpw()
         elif self.sensitivity_from is not None:
             raise ValueError("sensitivity_from= plans the widths of a bits-per-weight target; give bpw= too")
+        if not isinstance(self.refit_scales, bool):
+            raise ValueError(f"refit_scales={self.refit_scales!r} is not True or False")
+        if self.refit_scales and not self.gptq:
+            raise ValueError("refit_scales=True refits the grid of GPTQ's codes, and GPTQ is off")
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples={self.calibration_samples} must be at least 1")
         unknown = sorted(set(self.tiers or ()) - set(ALL_TIERS))

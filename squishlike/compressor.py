@@ -82,6 +82,7 @@ def compress(
     force: bool = False,
     awq: bool | None = None,
     gptq: bool | None = None,
+    refit_scales: bool = False,
     mixed_precision: float = 0.0,
     int3_gate: bool = True,
     int3_max_ppl_increase: float = 0.08,
@@ -119,6 +120,9 @@ def compress(
     - gptq: round each linear (and the output head) column by column, spreading each rounding error onto the
       columns not yet rounded so that the layer's output on the calibration inputs changes least (group-wise
       schemes); the stored form stays plain.
+    - refit_scales: after GPTQ (which it turns on), solve each group's scale and offset again for GPTQ's codes,
+      by least squares on the linear's output error over the calibration inputs, kept where it beats GPTQ's grid
+      (docs/design.md §7.7, with its cost). False by default.
     - mixed_precision: keep the most sensitive tensors at more bits (INT8 in an INT4/INT3 store, exact in an INT8
       store) within this fraction of extra bytes over the quantized tensors, in [0, 1].
     - int3_gate: INT3 only: measure the accuracy gate; a store that fails it is not written. False skips the gate
@@ -157,6 +161,7 @@ def compress(
         force=force,
         awq=awq,
         gptq=gptq,
+        refit_scales=refit_scales,
         mixed_precision=mixed_precision,
         int3_gate=int3_gate,
         int3_max_ppl_increase=int3_max_ppl_increase,

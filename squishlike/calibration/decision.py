@@ -13,8 +13,10 @@ from ..quant.reference import from_float32, to_float32
 from .awq import Transform
 from .gptq import expert_factors, gptq, inverse_hessian_factor
 from .quantizer import Quantizer
+from .rounding import refit
 
 GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
+REFIT_REASON = ", its grid then refitted to them (scales and offsets by least squares)"
 GPTQ_EXPERTS_REASON = "; GPTQ per expert (each expert's rounding errors compensated on the rows routed to it)"
 
 
@@ -32,6 +34,7 @@ class Plan:
     # linear -> (its input group, the group's calibration inputs, for an expert stack the expert of each row), for GPTQ
     inputs: dict[str, tuple[str, np.ndarray, np.ndarray | None]] = field(default_factory=dict)
     quantizers: dict[str, Quantizer] = field(default_factory=dict)  # linear -> the store's quantizer, for GPTQ
+    refit_scales: bool = False  # GPTQ's grid refitted to its codes on the output error (rounding.py)
     # The store another size's widths were planned from (`sensitivity_from`), and its entries of the tensors it
     # holds as this compress writes them (`Calibrator._unchanged`): compress copies their parts.
     earlier: NpyDir | None = None
@@ -59,19 +62,32 @@ class Plan:
         qz = self.quantizers[name]
         group, x, experts = self.inputs[name]
         scale = self.transform.col.get(name)
+        if scale is not None:  # AWQ multiplied the weight's columns by s: its inputs are divided by s
+            x = x / scale[None, :]
         if self._factor is None or self._factor[0] != (group, id(scale)):
-            if scale is not None:  # AWQ multiplied the weight's columns by s: its inputs are divided by s
-                x = x / scale[None, :]
             factor = inverse_hessian_factor(x) if experts is None else expert_factors(x, experts, array.shape[0])
             self._factor = (group, id(scale)), factor
         if experts is None:
-            return gptq(array.reshape(array.shape[0], -1), src_dtype, qz, self._factor[1])
+            w = array.reshape(array.shape[0], -1)
+            parts = gptq(w, src_dtype, qz, self._factor[1])
+            return self._refit(name, to_float32(w, src_dtype), x, qz, parts) if self.refit_scales else parts
         parts = [gptq(array[e], src_dtype, qz, f) for e, f in enumerate(self._factor[1])]
         return tuple(np.concatenate(p) for p in zip(*parts))
 
+    def _refit(self, name: str, w: np.ndarray, x: np.ndarray, qz: Quantizer,
+               parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        """GPTQ's `parts` of `name` with their grid refitted (rounding.py); both output errors into the record."""
+        parts, errors = refit(np.asarray(w, np.float32), x, qz, parts)
+        found = self.record.setdefault("scale_refit", {}).setdefault("tensors", {})
+        found[name] = {k: float(f"{v:.6g}") for k, v in errors.items()}
+        return parts
+
     def compensation(self, name: str) -> str:
         """What ends the manifest reason of a tensor `quantize` GPTQs."""
-        return GPTQ_EXPERTS_REASON if self.inputs[name][2] is not None else GPTQ_REASON
+        if self.inputs[name][2] is not None:
+            return GPTQ_EXPERTS_REASON
+        errors = self.record.get("scale_refit", {}).get("tensors", {}).get(name)
+        return GPTQ_REASON + (REFIT_REASON if errors and errors["refit"] < errors["gptq"] else "")
 
     def compensates(self, name: str, scheme: str) -> bool:
         """Whether `quantize` GPTQs `name` at `scheme` (it has the inputs and the quantizer of that scheme)."""

@@ -29,6 +29,7 @@ from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
+from .rounding import REFIT_METHOD
 from .stats import (Calibration, calibration_windows, log, positions, record, record_head, sample_positions,
                     thinned)
 
@@ -120,6 +121,9 @@ class Calibrator:
             "method": "block by block: each layer's inputs are the float32 outputs of the layer before",
             "gptq_rows": "every calibration position",  # (a store without it GPTQ'd the AWQ search's rows)
         }
+        if opts.refit_scales:
+            self.plan.refit_scales = True
+            self.plan.record["scale_refit"] = {"method": REFIT_METHOD, "tensors": {}}
 
     def _weights(self, names):
         for n in names:
@@ -451,6 +455,7 @@ class Calibrator:
         m, calibration = store.manifest, self.plan.record["calibration"]
         if not (m.clip_search == self.opts.clip_search and m.runtime_dtype == self.plan.runtime
                 and ("awq" in m.extra) == bool(self.opts.awq) and ("gptq" in m.extra) == bool(self.opts.gptq)
+                and ("scale_refit" in m.extra) == self.opts.refit_scales
                 and {k: m.extra.get("calibration", {}).get(k) for k in calibration} == calibration):
             return {}
         found = {name: m.tensors[name] for name, scheme in self.plan.promote.items()

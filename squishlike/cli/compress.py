@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="error-compensating rounding (GPTQ) of the linears and the output head: each rounding "
                        "error is spread onto the columns not yet rounded; the stored form stays plain (default: on "
                        "for int4)")
+    calib.add_argument("--refit-scales", action="store_true",
+                       help="after GPTQ (which it turns on), solve each group's scale and offset again for GPTQ's "
+                       "codes, by least squares on the layer's output error over the calibration inputs; the "
+                       "stored form stays plain; its cost: docs/design.md §7.7 (default: off)")
     calib.add_argument("--mixed-precision", type=float, default=0.0, metavar="FRACTION",
                        help="keep the most sensitive tensors (measured) at more bits: at INT8 in an INT4/INT3 "
                        "store, exact (runtime dtype, passthrough) in an INT8 store; within FRACTION more bytes than "
