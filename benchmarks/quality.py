@@ -102,7 +102,16 @@ BPW_MEASURED = "squishlike --bpw 4.5"
 BPW_ROWS = [(BPW_MEASURED, "npydir", {"bpw": 4.5}),
             *((f"squishlike --bpw {t:g}", "npydir", {"bpw": t, "sensitivity_from": BPW_MEASURED})
               for t in (2.5, 3, 3.5, 4, 5, 6, 8))]
-ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS
+# Issue 43's rotations (compress --rotate hadamard): the same rows with the source rotated first, the --bpw ones
+# planned from their own measured row (sensitivities measured on the rotated weights)
+ROTATED = {"rotate": "hadamard"}
+BPW_ROTATED = "squishlike --bpw 4.5 --rotate hadamard"
+ROTATED_ROWS = [("INT4 g64 RTN, rotated", "npydir", {"scheme": "int4", **PLAIN, **ROTATED}),
+                ("INT4 default, rotated", "npydir", {"scheme": "int4", **ROTATED}),
+                (BPW_ROTATED, "npydir", {"bpw": 4.5, **ROTATED}),
+                *((f"squishlike --bpw {t:g} --rotate hadamard", "npydir",
+                   {"bpw": t, **ROTATED, "sensitivity_from": BPW_ROTATED}) for t in (2.5, 3, 3.5, 4))]
+ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS + ROTATED_ROWS
 
 # The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
 # the same real bytes") and the bar (0.8x the best mlx_lm model's KL in that window)
@@ -418,7 +427,7 @@ def family(row: dict) -> str | None:
     """The curve a row is a point of on the chart (None: a point on its own)."""
     kind, options = row["kind"], row["options"]
     if kind == "npydir" and "bpw" in options:
-        return "squishlike --bpw"
+        return "squishlike --bpw --rotate hadamard" if "rotate" in options else "squishlike --bpw"
     if kind == "mlx_lm" and "quant_predicate" in options:
         return "mlx_lm mixed recipes"
     if kind == "mlx_lm" and "q_bits" in options:
@@ -428,7 +437,7 @@ def family(row: dict) -> str | None:
     return None
 
 
-FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e",
+FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw --rotate hadamard": "#9467bd", "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e",
                   "mlx_lm dynamic_quant": "#2ca02c"}
 
 
