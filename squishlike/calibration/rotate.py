@@ -1,6 +1,6 @@
 """Rotations fused into the weights (QuaRot's and SpinQuant's R1 and R2): an exact, function-preserving rewrite of
 the source model into one of the same architecture whose weights have fewer outlier channels, written as a float32
-MLX directory that compress then quantizes like any source (docs/design.md §7.7).
+MLX directory that compress then quantizes like any source (docs/design.md §7.6).
 
 - R1, the residual stream: x -> x Q for one random orthogonal Q (d x d, `random_hadamard`). Each norm whose output
   linears read has its weight (w + offset: Gemma's 1 + w) folded into those readers' input columns and is left at
@@ -35,7 +35,7 @@ from ..config import load_config
 from ..errors import UnsupportedArchitectureError
 from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
-from .awq import FOLD_TOLERANCE, _norm_like, _weight_offset
+from .awq import FOLD_TOLERANCE, norm_like, relative_change, weight_offset
 from .blocks import BlockRunner, module_at
 from .linears import probe, vocabulary
 from .stats import calibration_windows
@@ -137,7 +137,7 @@ def _heads(config: dict, d: int) -> tuple[int, int, int]:
 
 def _outside_norms(runner: BlockRunner) -> list[str]:
     prefixes = tuple(s.prefix for s in runner.slots)
-    return [p for p, m in runner.model.named_modules() if _norm_like(m) and not (p + ".").startswith(prefixes)]
+    return [p for p, m in runner.model.named_modules() if norm_like(m) and not (p + ".").startswith(prefixes)]
 
 
 def _outside_plan(runner: BlockRunner, canonical: dict[str, str], config: dict, d: int) -> tuple[str | None,
@@ -194,7 +194,7 @@ def _rotate_residual(runner: BlockRunner, i: int, params: dict, q: np.ndarray) -
     """Block `i`'s weights (`params`) with the residual stream rotated by `q`, norms folded into their readers."""
     prefix = runner.slots[i].prefix
     d = q.shape[0]
-    norms = [prefix + p for p, m in runner.block(i).named_modules() if _norm_like(m)]
+    norms = [prefix + p for p, m in runner.block(i).named_modules() if norm_like(m)]
     linears = [prefix + p for p, m in runner.block(i).named_modules() if type(m) is nn.Linear]
     probes, _ = probe(runner, i, [*norms, *linears])
     made_by = {id(probes[n]._squish_outputs[0]): n for n in norms if len(probes[n]._squish_outputs) == 1}
@@ -206,7 +206,7 @@ def _rotate_residual(runner: BlockRunner, i: int, params: dict, q: np.ndarray) -
             continue
         if f"{norm}.bias" in params:
             return out, f"{norm} adds a bias its readers cannot take"
-        offset = _weight_offset(module_at(runner.model, norm))
+        offset = weight_offset(module_at(runner.model, norm))
         g = params[f"{norm}.weight"] + offset
         out[f"{path}.weight"] = (params[f"{path}.weight"] * g[None, :]) @ q
         out[f"{norm}.weight"] = np.full_like(g, 1.0 - offset)
@@ -256,7 +256,7 @@ def _mismatch(runner: BlockRunner, i: int, params: dict, x: mx.array, y: mx.arra
         return f"the rewritten layer does not run ({e})"
     finally:
         runner.block(i).load_weights(list(saved.items()))
-    change = mx.abs(after - expected).max().item() / max(mx.abs(expected).max().item(), 1e-30)
+    change = relative_change(after, expected)
     return None if change <= FOLD_TOLERANCE else (f"the rotated layer's output moves by {change:.2g} of its largest "
                                                   "(a norm it does not commute with: on a writer's output, or one "
                                                   "that centres)")
@@ -273,7 +273,7 @@ def _rotate_outside(runner: BlockRunner, canonical: dict[str, str], q: np.ndarra
     embedding, head = vocabulary(runner.model, canonical)
     mlx_of = {c: m for m, c in canonical.items()}
     norm = _outside_norms(runner)[0]
-    offset = _weight_offset(module_at(runner.model, norm))
+    offset = weight_offset(module_at(runner.model, norm))
     g = arrays[f"{norm}.weight"] + offset
     e, h = mlx_of[embedding], mlx_of[head.members[0]]
     head_weight = (arrays[h] * g[None, :]) @ q
@@ -295,7 +295,7 @@ def _check_tail(norm: nn.Module, final: mx.array, head: np.ndarray, rotated_head
         after = norm(final @ mx.array(q.astype(np.float32))) @ mx.array(rotated_head.T.astype(np.float32))
     finally:
         norm.weight = saved
-    change = mx.abs(after - before).max().item() / max(mx.abs(before).max().item(), 1e-30)
+    change = relative_change(after, before)
     if change > FOLD_TOLERANCE:
         raise UnsupportedArchitectureError(f"the rotated head's logits move by {change:.2g} of their largest: the "
                                            "final norm does not commute with the rotation")
