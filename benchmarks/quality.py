@@ -111,6 +111,13 @@ ROTATED_ROWS = [("INT4 g64 RTN, rotated", "npydir", {"scheme": "int4", **PLAIN, 
                 (BPW_ROTATED, "npydir", {"bpw": 4.5, **ROTATED}),
                 *((f"squishlike --bpw {t:g} --rotate hadamard", "npydir",
                    {"bpw": t, **ROTATED, "sensitivity_from": BPW_ROTATED}) for t in (2.5, 3, 3.5, 4))]
+# --rotate heads: each head's values alone, the tied head kept tied (no bytes for a head of its own)
+HEADS = {"rotate": "heads"}
+BPW_HEADS = "squishlike --bpw 4.5 --rotate heads"
+ROTATED_ROWS += [("INT4 g64 RTN, heads rotated", "npydir", {"scheme": "int4", **PLAIN, **HEADS}),
+                 (BPW_HEADS, "npydir", {"bpw": 4.5, **HEADS}),
+                 *((f"squishlike --bpw {t:g} --rotate heads", "npydir",
+                    {"bpw": t, **HEADS, "sensitivity_from": BPW_HEADS}) for t in (2.5, 3, 3.5))]
 ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS + ROTATED_ROWS
 
 # The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
@@ -427,7 +434,7 @@ def family(row: dict) -> str | None:
     """The curve a row is a point of on the chart (None: a point on its own)."""
     kind, options = row["kind"], row["options"]
     if kind == "npydir" and "bpw" in options:
-        return "squishlike --bpw --rotate hadamard" if "rotate" in options else "squishlike --bpw"
+        return f"squishlike --bpw --rotate {options['rotate']}" if "rotate" in options else "squishlike --bpw"
     if kind == "mlx_lm" and "quant_predicate" in options:
         return "mlx_lm mixed recipes"
     if kind == "mlx_lm" and "q_bits" in options:
@@ -437,7 +444,8 @@ def family(row: dict) -> str | None:
     return None
 
 
-FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw --rotate hadamard": "#9467bd", "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e",
+FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw --rotate hadamard": "#9467bd",
+                  "squishlike --bpw --rotate heads": "#8c564b", "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e",
                   "mlx_lm dynamic_quant": "#2ca02c"}
 
 

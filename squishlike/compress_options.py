@@ -35,9 +35,9 @@ QUANTIZED_TIERS = tuple(NATIVE_TIERS.values())
 # err 0.37-0.55 on every tensor, so its limit only catches a tensor rounded worse than zeroing it nearly would.
 ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int6": 0.06, "int5": 0.12, "int4": 0.25, "int3": 0.45, "int2": 0.9}
 BPW_RANGE = (2.0, 16.0)
-# The rotations compress offers (calibration/rotate.py): none, or a random Hadamard of the residual stream and of
-# each head's values, fused into the weights before anything is measured or rounded
-ROTATIONS = ("none", "hadamard")
+# The rotations compress offers (calibration/rotate.py), fused into the weights before anything is measured or
+# rounded: none, random Hadamards of the residual stream and of each head's values, or of each head's values alone
+ROTATIONS = ("none", "hadamard", "heads")
 
 
 @dataclass

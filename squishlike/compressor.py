@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -141,8 +139,9 @@ def compress(
       computes the same function): random orthogonal Hadamard matrices on the residual stream and on each head's
       values, folded into the weights (QuaRot, SpinQuant's R1 and R2), which spread outlier channels so that low
       widths round better; the store stays plain layers of the same architecture (a tied head gets its own copy,
-      which a bpw target pays for). Where a family's layers do not commute with it, the part that does not is
-      skipped and the manifest's "rotation" says why. "none" (default) leaves the source as it is.
+      which a bpw target pays for); "heads" rotates each head's values alone (a tied head stays tied). Where a
+      family's layers do not commute with it, the part that does not is skipped and the manifest's "rotation" says
+      why. "none" (default) leaves the source as it is.
     - format: the old name of `scheme`, still accepted with a DeprecationWarning ("format" names file formats).
 
     Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
@@ -215,33 +214,14 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
                           sum(r.size for r in manifest.part_files().values()), round(time.perf_counter() - started, 1))
 
 
-@contextlib.contextmanager
 def _rotated(provider: WeightProvider, out: Path, opts: CompressOptions):
-    """(the provider compress reads, the options it writes with): `provider` and `opts` as they are, or with
-    `rotate`, the source rotated (calibration/rotate.py) into a float32 copy beside `out` that lives as long as this
-    context (a killed run's is a stale temp the next run sweeps; the rotation is seeded, so a resumed run makes the
-    same weights), the runtime dtype still the source's and the rotation's record in the manifest."""
+    """A context giving (the provider compress reads, the options it writes with): `provider` and `opts` as they
+    are, or with `rotate`, the source's rotated copy (calibration/rotate.py, which imports MLX)."""
     if opts.rotate == "none":
-        yield provider, opts
-        return
-    from .calibration.rotate import rotate_source
+        return contextlib.nullcontext((provider, opts))
+    from .calibration.rotate import rotated
 
-    directory = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-rotated-", dir=out.parent))
-    try:
-        record = rotate_source(provider, directory, opts.rotate)
-        print(f"compress: rotated ({_rotation_summary(record)})", file=sys.stderr)
-        with WeightProvider.open(directory) as rotated:
-            yield rotated, replace(opts, dtype=opts.dtype or runtime_dtype(provider),
-                                   extra_manifest={**opts.extra_manifest, "rotation": record})
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _rotation_summary(record: dict) -> str:
-    residual = record["residual"]
-    first = (f"residual stream {residual['matrix']}" if residual["applied"]
-             else f"residual stream not rotated: {residual['why_not']}")
-    return f"{first}; the values of {record['heads']['layers']} layers' heads"
+    return rotated(provider, out, opts)
 
 
 def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: CompressOptions, plan) -> None:

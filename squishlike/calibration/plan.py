@@ -386,7 +386,7 @@ class Calibrator:
                     for n in self.canonical.values() if n not in choices)
         smallest = fixed + sum(min(c.nbytes for c in cs) for cs in choices.values())
         if smallest * 8 > self.opts.bpw * params:
-            raise BudgetError(f"{self.provider.reader.path}: bpw={self.opts.bpw} is below the smallest store of this "
+            raise BudgetError(f"{self.origin}: bpw={self.opts.bpw} is below the smallest store of this "
                               f"model, {smallest * 8 / params:.3f} bits per weight (each tensor at its smallest "
                               "choice); choose a larger bpw")
         report = plan_widths(choices, int(self.opts.bpw * params / 8) - fixed, params, fixed, losses)

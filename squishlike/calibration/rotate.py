@@ -8,7 +8,7 @@ MLX directory that compress then quantizes like any source (docs/design.md §7.6
   E -> E Q, every reader W -> W diag(g) Q, every writer (a linear that reads no norm and writes d rows) W -> Q^T W
   and its bias b -> b Q, and the head absorbs the final norm: H -> H diag(g) Q. A tied head cannot stay the
   embedding (E Q is not E diag(g) Q): the rotated model gets its own lm_head (`tie_word_embeddings: false`).
-- R2, each head's values: v's rows of every kv head -> R^T v, o's columns of every query head -> o R, for one
+- R2, each head's values (alone with `rotate="heads"`, which keeps a tied head tied): v's rows of every kv head -> R^T v, o's columns of every query head -> o R, for one
   random orthogonal R (head_dim x head_dim): attention mixes whole value vectors, so R passes through it.
 
 Nothing is assumed from names: the norms and their readers are found by probing the layer (linears.probe), the
@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -31,6 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..compress_options import CompressOptions, runtime_dtype
 from ..config import load_config
 from ..errors import UnsupportedArchitectureError
 from ..model import model_tokenizer, new_model, parameter_shapes
@@ -40,10 +46,33 @@ from .blocks import BlockRunner, module_at
 from .linears import probe, vocabulary
 from .stats import calibration_windows
 
-ROTATIONS = ("none", "hadamard")  # compress's `rotate` values
 ROTATION_SEED = 0  # the rotation is random but fixed: a resumed compress rewrites the same weights
 VERIFY_TOKENS = 64  # calibration tokens each layer's rewrite is verified on
 INDEX = "model.safetensors.index.json"
+
+
+@contextmanager
+def rotated(provider: WeightProvider, out: Path, opts: CompressOptions):
+    """(the provider compress reads, the options it writes with) for a compress into `out` with `opts.rotate`: the
+    source rotated into a float32 copy beside `out` that lives as long as this context (a killed run's is a stale
+    temp the next run sweeps; the rotation is seeded, so a resumed run makes the same weights), the runtime dtype
+    still the source's and the rotation's record in the manifest."""
+    directory = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-rotated-", dir=out.parent))
+    try:
+        record = rotate_source(provider, directory, opts.rotate)
+        print(f"compress: rotated ({_summary(record)})", file=sys.stderr)
+        with WeightProvider.open(directory) as source:
+            yield source, replace(opts, dtype=opts.dtype or runtime_dtype(provider),
+                                  extra_manifest={**opts.extra_manifest, "rotation": record})
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _summary(record: dict) -> str:
+    residual = record["residual"]
+    first = (f"residual stream {residual['matrix']}" if residual["applied"]
+             else f"residual stream not rotated: {residual['why_not']}")
+    return f"{first}; the values of {record['heads']['layers']} layers' heads"
 
 
 def random_hadamard(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -63,7 +92,7 @@ def random_hadamard(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def rotate_source(provider: WeightProvider, directory: Path, method: str = "hadamard") -> dict:
-    """Write `provider`'s model, rotated, into `directory` (empty): its side files, a config.json (untied where the
+    """Write `provider`'s model, rotated (`method`: "hadamard", R1 and R2; "heads", R2 alone), into `directory` (empty): its side files, a config.json (untied where the
     head had to be) and float32 safetensors under mlx_lm's names, one file per layer. Returns the manifest's record:
     what was rotated, what was not and why, and the source's parameter count (a size target's denominator: the
     untied head is extra bytes, not extra parameters)."""
@@ -86,7 +115,8 @@ def rotate_source(provider: WeightProvider, directory: Path, method: str = "hada
     r = random_hadamard(head_dim, rng) if head_dim else None
     record = {"method": method, "seed": ROTATION_SEED, "verified_on_tokens": VERIFY_TOKENS,
               "parameters": sum(math.prod(s) for s in parameter_shapes(model).values())}
-    head_name, why_not = _outside_plan(runner, canonical, config, d)
+    head_name, why_not = ((None, "rotate=heads leaves the residual stream (and a tied head) as it is")
+                          if method == "heads" else _outside_plan(runner, canonical, config, d))
     residual = why_not is None
     while True:
         files: dict[str, str] = {}

@@ -100,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "function): 'hadamard' multiplies the residual stream and each head's values by random "
                        "orthogonal Hadamard matrices folded into the weights (QuaRot/SpinQuant), which spreads "
                        "outlier channels so that low widths round better; the store stays plain layers of the same "
-                       "architecture (a tied head gets its own copy). Skipped, with the reason in the manifest, "
-                       "where a family's layers do not commute with it (default: none)")
+                       "architecture (a tied head gets its own copy, which --bpw pays for); 'heads' rotates each head's "
+                       "values alone and keeps a tied head tied. Skipped, with the reason in the manifest, where a "
+                       "family's layers do not commute with it (default: none)")
     calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
                        help="INT3 accuracy gate: the store is written only if calibration perplexity rises by at "
                        "most F (a fraction: 0.08 is +8%%)")

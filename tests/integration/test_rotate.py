@@ -77,10 +77,28 @@ def test_a_rotated_store_loads_and_exports_with_equal_logits(tmp_path, tokenizer
 def test_a_bad_rotation_is_refused_before_anything_is_written(tmp_path, tokenizer_dir, capsys):
     source = make_hf_model(tmp_path / "src", TINY_CONFIGS["llama"], tokenizer_dir)
     with pytest.raises(ValueError, match=r"rotate='givens' is not a rotation compress offers; choose one of none, "
-                                         r"hadamard"):
+                                         r"hadamard, heads"):
         squishlike.compress(source, tmp_path / "out", rotate="givens")
     assert not (tmp_path / "out").exists()
     with pytest.raises(SystemExit) as exit:
         main(["compress", str(source), "-o", str(tmp_path / "out"), "--rotate", "givens"])
     assert exit.value.code == 2 and "invalid choice: 'givens'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_heads_alone_keeps_a_tied_head_tied(tmp_path, tokenizer_dir):
+    source = make_hf_model(tmp_path / "src", TINY_CONFIGS["qwen2"], tokenizer_dir, row_spread=0.5)
+    rotated = tmp_path / "rotated"
+    rotated.mkdir()
+    with WeightProvider.open(source) as provider:
+        record = rotate_source(provider, rotated, "heads")
+    assert not record["residual"]["applied"] and record["heads"]["layers"] == 2 and "untied_head" not in record
+    assert json.loads((rotated / "config.json").read_text())["tie_word_embeddings"] is True
+    model, _ = mlx_lm.load(str(source))
+    rotated_model, _ = mlx_lm.load(str(rotated))
+    expected, got = logits(model, TOKENS), logits(rotated_model, TOKENS)
+    assert mx.abs(got - expected).max().item() < 1e-4 * mx.abs(expected).max().item()
+    layer = dict(mx.load(str(rotated / "model-layer-00000.safetensors")))
+    original = dict(mx.load(str(source / "model.safetensors")))
+    v = "model.layers.0.self_attn.v_proj.weight"
+    assert not mx.allclose(layer[v], original[v]).item()  # rotated, not copied
