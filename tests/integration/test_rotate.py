@@ -15,6 +15,7 @@ from support.tiny_models import TINY_CONFIGS, logits, make_hf_model
 import squishlike
 from squishlike.calibration.rotate import random_hadamard, rotate_source
 from squishlike.cli import main
+from squishlike.errors import FormatError
 from squishlike.exporter import export
 from squishlike.npydir import NpyDir
 from squishlike.provider import WeightProvider
@@ -102,3 +103,20 @@ def test_heads_alone_keeps_a_tied_head_tied(tmp_path, tokenizer_dir):
     original = dict(mx.load(str(source / "model.safetensors")))
     v = "model.layers.0.self_attn.v_proj.weight"
     assert not mx.allclose(layer[v], original[v]).item()  # rotated, not copied
+
+
+def test_a_size_target_pays_for_the_untied_head_and_plans_only_from_a_store_rotated_alike(tmp_path, tokenizer_dir):
+    source = make_hf_model(tmp_path / "src", TINY_CONFIGS["qwen2"], tokenizer_dir, row_spread=0.5)
+    fast = {"gptq": False, "calibration_max_tokens": 256}
+    first = squishlike.compress(source, tmp_path / "at6", bpw=6.0, rotate="hadamard", **fast)
+    manifest = NpyDir(first).manifest
+    params = manifest.extra["rotation"]["parameters"]  # the source's: the untied head is not counted
+    assert params < sum(np.prod(e.shape) for e in manifest.tensors.values())
+    raw = json.loads((first / "manifest.json").read_text())  # the stored tensors' bytes, as mlx_lm counts them
+    stored = sum(part["size"] for entry in raw["tensors"].values() for part in entry["files"].values())
+    assert 6.0 * 0.99 <= stored * 8 / params <= 6.0 * 1.01
+    second = squishlike.compress(source, tmp_path / "at5", bpw=5.0, rotate="hadamard", sensitivity_from=first, **fast)
+    assert NpyDir(second).manifest.extra["bpw"]["measured_in"] == str(first)
+    with pytest.raises(FormatError, match="rotated otherwise"):
+        squishlike.compress(source, tmp_path / "out", bpw=5.0, sensitivity_from=first, **fast)
+    assert not (tmp_path / "out").exists()
