@@ -110,7 +110,23 @@ BPW_ROWS = [(BPW_MEASURED, "npydir", {"bpw": 4.5}),
               for t in (2.5, 3, 3.5, 4, 5, 6, 8)),
             *((f"squishlike --bpw {t:g} + scale refit", "npydir",
                {"bpw": t, "sensitivity_from": BPW_MEASURED, "refit_scales": True}) for t in (3, 3.5, 4.5))]
-ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS
+# Issue 43's rotations (compress --rotate hadamard): the same rows with the source rotated first, the --bpw ones
+# planned from their own measured row (sensitivities measured on the rotated weights)
+ROTATED = {"rotate": "hadamard"}
+BPW_ROTATED = "squishlike --bpw 4.5 --rotate hadamard"
+ROTATED_ROWS = [("INT4 g64 RTN, rotated", "npydir", {"scheme": "int4", **PLAIN, **ROTATED}),
+                ("INT4 default, rotated", "npydir", {"scheme": "int4", **ROTATED}),
+                (BPW_ROTATED, "npydir", {"bpw": 4.5, **ROTATED}),
+                *((f"squishlike --bpw {t:g} --rotate hadamard", "npydir",
+                   {"bpw": t, **ROTATED, "sensitivity_from": BPW_ROTATED}) for t in (2.5, 3, 3.5, 4))]
+# --rotate heads: each head's values alone, the tied head kept tied (no bytes for a head of its own)
+HEADS = {"rotate": "heads"}
+BPW_HEADS = "squishlike --bpw 4.5 --rotate heads"
+ROTATED_ROWS += [("INT4 g64 RTN, heads rotated", "npydir", {"scheme": "int4", **PLAIN, **HEADS}),
+                 (BPW_HEADS, "npydir", {"bpw": 4.5, **HEADS}),
+                 *((f"squishlike --bpw {t:g} --rotate heads", "npydir",
+                    {"bpw": t, **HEADS, "sensitivity_from": BPW_HEADS}) for t in (2.5, 3, 3.5))]
+ROWS += BITS_ROWS + RECIPE_ROWS + FP_ROWS + DYNAMIC_ROWS + BPW_ROWS + ROTATED_ROWS
 
 # The --targets summary: the bits a weight at which squishlike must beat mlx_lm, the bytes window ("within 2 % of
 # the same real bytes") and the bar (0.8x the best mlx_lm model's KL in that window)
@@ -487,6 +503,8 @@ def family(row: dict) -> str | None:
     """The curve a row is a point of on the chart (None: a point on its own)."""
     kind, options = row["kind"], row["options"]
     if kind == "npydir" and "bpw" in options:
+        if "rotate" in options:
+            return f"squishlike --bpw --rotate {options['rotate']}"
         return "squishlike --bpw" + (", scale refit" if options.get("refit_scales") else "")
     if kind == "mlx_lm" and "quant_predicate" in options:
         return "mlx_lm mixed recipes"
@@ -497,7 +515,8 @@ def family(row: dict) -> str | None:
     return None
 
 
-FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw, scale refit": "#9467bd",
+FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw, scale refit": "#e377c2",
+                  "squishlike --bpw --rotate hadamard": "#9467bd", "squishlike --bpw --rotate heads": "#8c564b",
                   "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e", "mlx_lm dynamic_quant": "#2ca02c"}
 
 

@@ -35,6 +35,9 @@ QUANTIZED_TIERS = tuple(NATIVE_TIERS.values())
 # err 0.37-0.55 on every tensor, so its limit only catches a tensor rounded worse than zeroing it nearly would.
 ERROR_LIMITS = {"int8": 0.05, "int8g": 0.05, "int6": 0.06, "int5": 0.12, "int4": 0.25, "int3": 0.45, "int2": 0.9}
 BPW_RANGE = (2.0, 16.0)
+# The rotations compress offers (calibration/rotate.py), fused into the weights before anything is measured or
+# rounded: none, random Hadamards of the residual stream and of each head's values, or of each head's values alone
+ROTATIONS = ("none", "hadamard", "heads")
 
 
 @dataclass
@@ -67,6 +70,7 @@ class CompressOptions:
     # within bits per weight as mlx_lm counts them (every stored byte, scales included, over the parameter count).
     bpw: float | None = None
     sensitivity_from: str | None = None  # a store of the same source whose measured sensitivities plan this one
+    rotate: str = "none"  # one of ROTATIONS: the source rotated first (calibration/rotate.py), the store plain layers
 
     def __post_init__(self) -> None:
         self.passthrough = tuple(self.passthrough)
@@ -122,6 +126,9 @@ class CompressOptions:
             raise ValueError(f"refit_scales={self.refit_scales!r} is not True or False")
         if self.refit_scales and not self.gptq:
             raise ValueError("refit_scales=True refits the grid of GPTQ's codes, and GPTQ is off")
+        if self.rotate not in ROTATIONS:
+            raise ValueError(f"rotate={self.rotate!r} is not a rotation compress offers; choose one of "
+                             f"{', '.join(ROTATIONS)}")
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples={self.calibration_samples} must be at least 1")
         unknown = sorted(set(self.tiers or ()) - set(ALL_TIERS))

@@ -90,6 +90,7 @@ def compress(
     calibration_max_tokens: int | None = None,
     bpw: float | None = None,
     sensitivity_from: str | Path | None = None,
+    rotate: str = "none",
     format: str | None = None,
 ) -> Path:
     """Compress `src` (HF dir, MLX dir, GGUF file, Ollama model, cached HF repo id) into the npy-dir `out`.
@@ -138,6 +139,13 @@ def compress(
       manifest.
     - sensitivity_from: with bpw, a store of the same source (compressed with bpw) whose kept sensitivities plan
       the widths, instead of measuring them again.
+    - rotate: "hadamard" rotates the model before anything is measured or rounded, exactly (the float model
+      computes the same function): random orthogonal Hadamard matrices on the residual stream and on each head's
+      values, folded into the weights (QuaRot, SpinQuant's R1 and R2), which spread outlier channels so that low
+      widths round better; the store stays plain layers of the same architecture (a tied head gets its own copy,
+      which a bpw target pays for); "heads" rotates each head's values alone (a tied head stays tied). Where a
+      family's layers do not commute with it, the part that does not is skipped and the manifest's "rotation" says
+      why. "none" (default) leaves the source as it is.
     - format: the old name of `scheme`, still accepted with a DeprecationWarning ("format" names file formats).
 
     Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
@@ -169,6 +177,7 @@ def compress(
         calibration_max_tokens=calibration_max_tokens,
         bpw=bpw,
         sensitivity_from=None if sensitivity_from is None else str(sensitivity_from),
+        rotate=rotate,
     )
     return compress_with_report(src, out, opts).path
 
@@ -187,9 +196,10 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
             key = resume.key_digest(source_fingerprint(Path(provider.reader.path)), asdict(opts))
             tmp = resume.partial_dir(out, key)
             try:
-                writer, plan = _write_store(provider, tmp, out, opts, key)
-                if opts.scheme == "int3":
-                    _gate_int3(provider, writer, out, opts, plan)
+                with _rotated(provider, out, opts) as (source, written_opts):
+                    writer, plan = _write_store(source, tmp, out, written_opts, key, origin=provider)
+                    if opts.scheme == "int3":
+                        _gate_int3(source, writer, out, written_opts, plan)
                 resume.finish(tmp, writer.manifest)
                 publish_dir(tmp, out)
             except KeyboardInterrupt:
@@ -207,6 +217,16 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
     return CompressReport(out, str(src), dtype, opts.scheme, manifest.policy.tiers, len(manifest.tensors),
                           sum(e.kind.quantized for e in manifest.tensors.values()), source_bytes,
                           sum(r.size for r in manifest.part_files().values()), round(time.perf_counter() - started, 1))
+
+
+def _rotated(provider: WeightProvider, out: Path, opts: CompressOptions):
+    """A context giving (the provider compress reads, the options it writes with): `provider` and `opts` as they
+    are, or with `rotate`, the source's rotated copy (calibration/rotate.py, which imports MLX)."""
+    if opts.rotate == "none":
+        return contextlib.nullcontext((provider, opts))
+    from .calibration.rotate import rotated
+
+    return rotated(provider, out, opts)
 
 
 def _gate_int3(provider: WeightProvider, writer: NpyDirWriter, out: Path, opts: CompressOptions, plan) -> None:
@@ -288,11 +308,13 @@ def as_float32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.float32)
 
 
-def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions, key: str):
-    """Quantize every tensor of the source into the npy-dir at `tmp` (compress's directory for `out`), one block
-    after another (calibrating each first when the options ask for it), going on from the last finished block of a
-    killed run of the same `key` (resume.key_digest) into `tmp`; returns its writer, the manifest written, and the
-    calibration plan (None without calibration)."""
+def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressOptions, key: str,
+                 origin: WeightProvider):
+    """Quantize every tensor of the source `provider` reads into the npy-dir at `tmp` (compress's directory for
+    `out`), one block after another (calibrating each first when the options ask for it), going on from the last
+    finished block of a killed run of the same `key` (resume.key_digest) into `tmp`; returns its writer, the
+    manifest written, and the calibration plan (None without calibration). `origin`: the source the user named
+    (`provider` reads its rotated copy with `rotate`), which the manifest records."""
     from .model import new_model, parameter_shapes  # imports mlx_lm
 
     runtime = opts.dtype or runtime_dtype(provider)
@@ -304,7 +326,7 @@ def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressO
         model = new_model(provider.dense_config(), provider.reader.path)
         provider.expect_shapes(parameter_shapes(model))  # nor is a tensor written that no load would bind
         kinds = weight_kinds(provider, model)  # the model decides what is quantized
-        calibrator = _calibrator(provider, opts, tmp)
+        calibrator = _calibrator(provider, opts, tmp, origin)
         plan = calibrator.plan if calibrator is not None else None
         units = calibrator.units() if calibrator is not None else resume.block_units(provider.names())
         start = 0
@@ -352,21 +374,21 @@ def _write_store(provider: WeightProvider, tmp: Path, out: Path, opts: CompressO
                 pipeline.close()
         if calibrator is not None:
             opts.extra_manifest = {**calibrator.manifest(), **opts.extra_manifest}
-        _finish_store(provider, writer, opts, side_files, tokenizer_files)
+        _finish_store(origin, writer, opts, side_files, tokenizer_files)
         return writer, plan
     except BaseException:
         wait([tokenizer_files])  # its thread writes into tmp, which the caller removes once this returns
         raise
 
 
-def _calibrator(provider: WeightProvider, opts: CompressOptions, side_files: Path):
+def _calibrator(provider: WeightProvider, opts: CompressOptions, side_files: Path, origin: WeightProvider):
     """The block-by-block calibration when the options ask for one (AWQ, GPTQ, mixed precision, the INT3 gate),
     else None; it runs the source model, so it is imported only then."""
     if not opts.calibrates:
         return None
     from .calibration import Calibrator
 
-    return Calibrator(provider, opts, side_files)
+    return Calibrator(provider, opts, side_files, origin=Path(origin.reader.path))
 
 
 class _Pipeline:
@@ -495,7 +517,7 @@ def _tokenizer_files(directory: Path) -> Future:
 
 def _finish_store(provider: WeightProvider, writer: NpyDirWriter, opts: CompressOptions, written: list[Path],
                   tokenizer_files: Future) -> None:
-    """The side files' records and the manifest: the store complete."""
+    """The side files' records and the manifest: the store complete; `provider` reads the source it records."""
     writer.add_side_files(written + tokenizer_files.result())
     tiers = opts.tiers if opts.tiers is not None else default_tiers(opts, {e.scheme for e in writer.tensors.values()})
     source = Path(provider.reader.path)

@@ -39,7 +39,7 @@ def fold_groups(runner: BlockRunner, i: int, canonical: dict[str, str], readers:
     verdict for blocks of the same structure). Returns the groups, and {reader group: why 1/s folds nowhere}."""
     prefix = runner.slots[i].prefix
     mlx_of = {c: m.removesuffix(".weight") for m, c in canonical.items()}
-    norms = [prefix + path for path, m in runner.block(i).named_modules() if _norm_like(m)]
+    norms = [prefix + path for path, m in runner.block(i).named_modules() if norm_like(m)]
     linears = {prefix + path: m for path, m in runner.block(i).named_modules() if type(m) is nn.Linear}
     candidates = [g for g in readers if g.kind == "linears"]
     probes, _ = probe(runner, i, [*norms, *(g.module for g in candidates)])
@@ -68,7 +68,7 @@ def fold_groups(runner: BlockRunner, i: int, canonical: dict[str, str], readers:
         folds = tuple(canonical[f"{path}.{k}"] for k in ("weight", "bias") if f"{path}.{k}" in canonical)
         norm = path in norms
         groups.append(ScaleGroup(_name(g), "norm" if norm else "rows", i, g.module,
-                                 g.members, folds, tie, offset=_weight_offset(module) if norm else 0.0,
+                                 g.members, folds, tie, offset=weight_offset(module) if norm else 0.0,
                                  fold_rows=rows))
     return groups, why_not
 
@@ -78,7 +78,8 @@ def _name(readers: ScaleGroup) -> str:
     return readers.members[0].removesuffix(".weight")
 
 
-def _norm_like(module: nn.Module) -> bool:
+def norm_like(module: nn.Module) -> bool:
+    """Whether `module` scales by a 1-D weight of its own (a norm), not a linear or embedding."""
     weight = module.get("weight")
     return (isinstance(weight, mx.array) and weight.ndim == 1
             and not isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear)))
@@ -96,7 +97,7 @@ def _row_folds(path: str, rows: int, width: int, config) -> list[tuple[str, tupl
             for first in range(0, rows, n)]
 
 
-def _weight_offset(norm: nn.Module) -> float:
+def weight_offset(norm: nn.Module) -> float:
     """The offset o of a norm that computes normalized(x) * (weight + o) (+ bias): 0 for most, 1 for Gemma's."""
     saved = {k: norm[k] for k in ("weight", "bias") if k in norm}
     x = mx.random.normal((4, norm.weight.shape[0]), key=mx.random.key(0))
@@ -140,7 +141,7 @@ def _try_fold(runner: BlockRunner, i: int, members: list[str], producer: str, ti
         for m in readers:
             m.weight = m.weight * cols[None, :]
         if fold.weight.ndim == 1:  # a norm
-            offset = _weight_offset(fold)
+            offset = weight_offset(fold)
             fold.weight = (fold.weight + offset) / s - offset
         else:
             fold.weight = fold.weight / s[:, None]
@@ -153,7 +154,12 @@ def _try_fold(runner: BlockRunner, i: int, members: list[str], producer: str, ti
     finally:
         for m, params in saved:
             m.update(params)
-    return mx.abs(after - before).max().item() <= FOLD_TOLERANCE * max(mx.abs(before).max().item(), 1e-30)
+    return relative_change(after, before) <= FOLD_TOLERANCE
+
+
+def relative_change(after: mx.array, before: mx.array) -> float:
+    """The largest change from `before` to `after`, relative to `before`'s largest value."""
+    return mx.abs(after - before).max().item() / max(mx.abs(before).max().item(), 1e-30)
 
 
 @dataclass

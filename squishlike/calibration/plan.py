@@ -89,8 +89,10 @@ class Calibrator:
     says why.
     """
 
-    def __init__(self, provider: WeightProvider, opts: CompressOptions, side_files: Path):
+    def __init__(self, provider: WeightProvider, opts: CompressOptions, side_files: Path, origin: Path | None = None):
         self.provider, self.opts = provider, opts
+        self.origin = Path(provider.reader.path) if origin is None else origin  # the source the user named: with
+        # rotate, `provider` reads its rotated copy
         self.plan = Plan(runtime=opts.dtype or runtime_dtype(provider))
         self.model = new_model(provider.dense_config(), provider.reader.path)
         tokenizer = model_tokenizer(load_config(side_files), side_files, provider.reader.path)
@@ -381,12 +383,14 @@ class Calibrator:
         manifest: `losses` has, for each tensor of `shapes`, its loss with each of its `quantizers`."""
         choices = tensor_choices(losses, shapes, quantizers)
         infos = self.provider.reader.tensors()
-        params = sum(math.prod(self.source.shape(n)) for n in self.canonical.values())
+        # The source's parameters: a rotation's untied head is bytes the target pays for, not parameters
+        params = (self.opts.extra_manifest.get("rotation", {}).get("parameters")
+                  or sum(math.prod(self.source.shape(n)) for n in self.canonical.values()))
         fixed = sum(self.source.stored_bytes(n, infos[self.provider.source_name(n)].dtype)
                     for n in self.canonical.values() if n not in choices)
         smallest = fixed + sum(min(c.nbytes for c in cs) for cs in choices.values())
         if smallest * 8 > self.opts.bpw * params:
-            raise BudgetError(f"{self.provider.reader.path}: bpw={self.opts.bpw} is below the smallest store of this "
+            raise BudgetError(f"{self.origin}: bpw={self.opts.bpw} is below the smallest store of this "
                               f"model, {smallest * 8 / params:.3f} bits per weight (each tensor at its smallest "
                               "choice); choose a larger bpw")
         report = plan_widths(choices, int(self.opts.bpw * params / 8) - fixed, params, fixed, losses)
@@ -404,9 +408,13 @@ class Calibrator:
         fingerprint), keeps no sensitivities, or keeps a record that is not one."""
         store = NpyDir(self.opts.sensitivity_from)
         where = store.path / MANIFEST
-        if store.manifest.source.fingerprint != source_fingerprint(Path(self.provider.reader.path)):
+        if store.manifest.source.fingerprint != source_fingerprint(self.origin):
             raise FormatError(where, "its sensitivities were measured on another source (or the source has changed "
                                      "since): compress without sensitivity_from")
+        rotation = store.manifest.extra.get("rotation")
+        if (rotation.get("method") if isinstance(rotation, dict) else "none") != self.opts.rotate:
+            raise FormatError(where, f"its sensitivities were measured on the source rotated otherwise (not "
+                                     f"rotate={self.opts.rotate!r}): compress without sensitivity_from")
         bpw = store.manifest.extra.get("bpw")
         kept = bpw.get("sensitivity") if isinstance(bpw, dict) else None
         if not isinstance(kept, dict) or not kept:

@@ -41,7 +41,7 @@ def tier_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..compress_options import ALL_TIERS, SCHEMES_OFFERED
+    from ..compress_options import ALL_TIERS, ROTATIONS, SCHEMES_OFFERED
 
     parser.add_argument("src", help="model directory, .gguf file, Ollama name:tag, or cached HF repo id")
     parser.add_argument("-o", "--output", required=True, type=Path,
@@ -99,13 +99,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib.add_argument("--sensitivity-from", default=None, metavar="STORE",
                        help="with --bpw: plan the widths from the sensitivities a store of the same source measured "
                        "(its manifest keeps them) instead of measuring again: another size in a fraction of the time")
+    calib.add_argument("--rotate", choices=ROTATIONS, default="none",
+                       help="rotate the model before quantizing it, exactly (the float model computes the same "
+                       "function): 'hadamard' multiplies the residual stream and each head's values by random "
+                       "orthogonal Hadamard matrices folded into the weights (QuaRot/SpinQuant), which spreads "
+                       "outlier channels so that low widths round better; the store stays plain layers of the same "
+                       "architecture (a tied head gets its own copy, which --bpw pays for); 'heads' rotates each head's "
+                       "values alone and keeps a tied head tied. Skipped, with the reason in the manifest, where a "
+                       "family's layers do not commute with it (default: none)")
     calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
                        help="INT3 accuracy gate: the store is written only if calibration perplexity rises by at "
                        "most F (a fraction: 0.08 is +8%%)")
     calib.add_argument("--calibration-tokens", dest="calibration_max_tokens", type=int, default=None, metavar="N",
                        help="use only the first N tokens of the calibration text (default: all)")
     # Decided once every option is parsed: a compress that runs the model in float32 restarts with OpenBLAS preloaded.
-    parser.set_defaults(fast_blas=lambda args: _options(args).calibrates)
+    parser.set_defaults(fast_blas=lambda args: _options(args).calibrates or args.rotate != "none")
 
 
 def _options(args: argparse.Namespace):
