@@ -50,10 +50,15 @@ def smollm_gguf() -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `archsweep` run only when asked for (`-m archsweep`, as scripts/test.sh does)."""
-    if "archsweep" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="part of the whole architecture sweep: run with -m archsweep")
+    """Tests marked `archsweep` run only when asked for (`-m archsweep`, as scripts/test.sh does); tests marked
+    `long` (the real model's slowest measurements, which a tiny model's test covers in the default run) only with
+    SQUISHLIKE_LONG=1 or `-m long`."""
+    asked = config.getoption("markexpr") or ""
+    long_runs = os.environ.get("SQUISHLIKE_LONG") == "1" or "long" in asked
+    skips = {"archsweep": (pytest.mark.skip(reason="part of the whole architecture sweep: run with -m archsweep"),
+                           "archsweep" not in asked),
+             "long": (pytest.mark.skip(reason="a long test: run with SQUISHLIKE_LONG=1"), not long_runs)}
     for item in items:
-        if "archsweep" in item.keywords:
-            item.add_marker(skip)
+        for marker, (skip, skipped) in skips.items():
+            if skipped and marker in item.keywords:
+                item.add_marker(skip)

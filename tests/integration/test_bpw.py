@@ -1,9 +1,9 @@
 """A size target (issue 33): `compress(bpw=X)` gives every quantizable tensor the width among 2-8 bits (or exact)
 that changes its block's output least, measured in the block-by-block pass, within X bits per weight as mlx_lm
 counts them; the sensitivities are kept in the manifest and plan another size (`sensitivity_from`) without
-measuring again, copying the tensors whose width stays from the store they came from. Real SmolLM2 for the 1 % and
-the retarget; a tiny llama (AWQ and GPTQ on) for a second size against a measuring compress, the errors and the
-measure's plumbing."""
+measuring again, copying the tensors whose width stays from the store they came from. A tiny llama (AWQ and GPTQ
+on) for the plan, a second size against a measuring compress, the errors and the measure's plumbing; the real
+SmolLM2's measure (minutes on two cores) for the 1 % and the retarget with SQUISHLIKE_LONG=1."""
 
 from __future__ import annotations
 
@@ -37,17 +37,18 @@ def smollm_at_4(smollm_gguf, tmp_path_factory):
     return out
 
 
-def test_smollm_meets_the_target_within_one_percent_with_every_width_measured(smollm_at_4):
-    store = NpyDir(smollm_at_4)
-    assert abs(store.manifest.bits_per_weight() - 4.0) <= 0.04
+def assert_the_plan_meets(out, target: float) -> None:
+    """`target` within 1 %, every width measured at every group size that splits a tensor's rows, the loss
+    falling as the bits grow, each planned tensor at its planned group size."""
+    store = NpyDir(out)
+    assert abs(store.manifest.bits_per_weight() - target) <= target / 100
     report = store.manifest.extra["bpw"]
-    assert report["target_bpw"] == 4.0
+    assert report["target_bpw"] == target
     assert report["planned_bpw"] == pytest.approx(store.manifest.bits_per_weight(), abs=1e-3)
     widths = {e.scheme for e in store.manifest.tensors.values() if e.kind.quantized}
     assert len(widths) >= 2  # a plan, not a uniform store
-    for name, kept in report["sensitivity"].items():  # every width measured at every group size that splits its
-        # rows (SmolLM2's 576 columns: 32 and 64; the down projections' 1536: 128 too), the loss falling as the
-        # bits grow
+    for name, kept in report["sensitivity"].items():  # (SmolLM2's 576 columns: 32 and 64; its down projections'
+        # 1536: 128 too)
         cols = store.manifest.tensors[name].shape[-1]
         groups = [g for g in (32, 64, 128) if cols % g == 0]
         assert kept["schemes"] == [s for s in ("int2", "int3", "int4", "int5", "int6", "int8g") for _ in groups] + [
@@ -57,13 +58,25 @@ def test_smollm_meets_the_target_within_one_percent_with_every_width_measured(sm
         # (not always on to 8 bits: int8g picks codes before its bf16 bias is rounded, as mx.quantize does, and on
         # AWQ-scaled groups far from zero that rounding can cost more than 6 bits' steps; the plan then skips it)
         assert all(a > b for a, b in zip(at_64[:4], at_64[1:5])), name
-    for name, entry in store.manifest.tensors.items():  # each planned tensor at its planned group size
+    for name, entry in store.manifest.tensors.items():
         if name in report["group_sizes"]:
             assert entry.group_size == report["group_sizes"][name], name
     entry = store.manifest.tensors["layers.0.ffn.down.weight"]
-    assert entry.reason.startswith("a target of 4.0 bits per weight")
+    assert entry.reason.startswith(f"a target of {target} bits per weight")
 
 
+@pytest.mark.long
+def test_smollm_meets_the_target_within_one_percent_with_every_width_measured(smollm_at_4):
+    assert_the_plan_meets(smollm_at_4, 4.0)
+
+
+def test_a_tiny_llama_meets_the_target_within_one_percent_with_every_width_measured(llama_at_4_5):
+    assert_the_plan_meets(llama_at_4_5[1], 4.5)
+    model, tokenizer = squishlike.load(llama_at_4_5[1])
+    assert isinstance(mlx_lm.generate(model, tokenizer, "The capital of France is", max_tokens=4), str)
+
+
+@pytest.mark.long
 def test_the_store_loads_and_generates(smollm_at_4):
     model, tokenizer = squishlike.load(smollm_at_4)
     text = mlx_lm.generate(model, tokenizer, "The capital of France is", max_tokens=6, verbose=False)
@@ -83,6 +96,7 @@ def retargeted(smollm_gguf, smollm_at_4, tmp_path_factory):
     return at
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("target", [3.0, 5.5])
 def test_another_size_is_planned_from_the_kept_sensitivities(smollm_at_4, retargeted, target):
     store = NpyDir(retargeted(target))
@@ -93,6 +107,7 @@ def test_another_size_is_planned_from_the_kept_sensitivities(smollm_at_4, retarg
     assert store.manifest.extra["awq"]["groups"] == NpyDir(smollm_at_4).manifest.extra["awq"]["groups"]  # taken
 
 
+@pytest.mark.long
 def test_the_plan_takes_groups_of_128_where_they_are_cheaper(retargeted):
     """At 3 bits a weight most tensors must go below 3 bits in groups of 64 (3.5 bits a weight); groups of 128 (3.25)
     let the down projections, whose 1536 columns split into them, stay at 3 bits."""
@@ -123,19 +138,20 @@ def test_a_record_from_before_group_sizes_were_chosen_still_plans(llama_at_4_5, 
 
 
 @pytest.mark.parametrize("group_sizes, problem", [
-    (lambda n: [96] * n, "int2 with group size 96 for 576 columns"),
+    (lambda n: [96] * n, "int2 with group size 96 for 128 columns"),
     (lambda n: [64] * (n - 1), "schemes, group sizes and losses differ in number"),
 ])
-def test_a_record_with_bad_group_sizes_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path,
-                                                                          group_sizes, problem):
+def test_a_record_with_bad_group_sizes_is_refused_and_nothing_is_written(llama_at_4_5, tmp_path, group_sizes,
+                                                                          problem):
+    src, first = llama_at_4_5
     bad = tmp_path / "bad"
-    shutil.copytree(smollm_at_4, bad)
+    shutil.copytree(first, bad)
     manifest = json.loads((bad / "manifest.json").read_text())
     kept = manifest["bpw"]["sensitivity"]["layers.0.attention.q.weight"]
     kept["group_sizes"] = group_sizes(len(kept["schemes"]))
     (bad / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match=f"bad sensitivity record .*{problem}"):
-        squishlike.compress(smollm_gguf, tmp_path / "out", bpw=3.5, sensitivity_from=bad, **FAST)
+        squishlike.compress(src, tmp_path / "out", bpw=3.5, sensitivity_from=bad, **FAST)
     assert not (tmp_path / "out").exists()
 
 
@@ -256,10 +272,11 @@ def test_a_damaged_store_to_copy_from_is_refused_and_nothing_is_written(llama_at
     assert NpyDir(first).manifest.tensors  # the store it came from is untouched
 
 
-def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(smollm_gguf, smollm_at_4, tmp_path):
-    smallest = r"bpw=2.0 is below the smallest store of this model, 2\.4\d\d bits per weight"
+def test_a_target_below_the_smallest_store_is_refused_and_nothing_is_written(llama_at_4_5, tmp_path):
+    src, first = llama_at_4_5
+    smallest = r"bpw=2.0 is below the smallest store of this model, 2\.\d{3} bits per weight"
     with pytest.raises(BudgetError, match=smallest):
-        squishlike.compress(smollm_gguf, tmp_path / "tiny", bpw=2.0, sensitivity_from=smollm_at_4, **FAST)
+        squishlike.compress(src, tmp_path / "tiny", bpw=2.0, sensitivity_from=first, **FAST)
     assert not any(tmp_path.iterdir())
 
 
@@ -275,12 +292,13 @@ def test_options_that_cannot_go_together_are_refused(tiny_llama, tmp_path, optio
     assert not (tmp_path / "out").exists()
 
 
-def test_sensitivities_of_another_source_or_none_are_refused(tiny_llama, smollm_gguf, smollm_at_4, tmp_path):
-    plain = squishlike.compress(tiny_llama, tmp_path / "plain", scheme="int4", awq=False, gptq=False)
+def test_sensitivities_of_another_source_or_none_are_refused(tokenizer_dir, llama_at_4_5, tmp_path):
+    other = make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir, seed=5)
+    plain = squishlike.compress(other, tmp_path / "plain", scheme="int4", awq=False, gptq=False)
     with pytest.raises(ValueError, match="measured on another source"):
-        squishlike.compress(tiny_llama, tmp_path / "a", bpw=4.0, sensitivity_from=smollm_at_4, **FAST)
+        squishlike.compress(other, tmp_path / "a", bpw=4.0, sensitivity_from=llama_at_4_5[1], **FAST)
     with pytest.raises(ValueError, match="keeps no sensitivities"):
-        squishlike.compress(tiny_llama, tmp_path / "b", bpw=4.0, sensitivity_from=plain, **FAST)
+        squishlike.compress(other, tmp_path / "b", bpw=4.0, sensitivity_from=plain, **FAST)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "plain"]  # the source and the one store
 
 
