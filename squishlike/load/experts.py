@@ -94,7 +94,7 @@ def _descriptor(path: Path, root: Path) -> int:
 
 class ExpertCache:
     """The experts of a model's streamed stacks in memory, least recently used evicted first, within `capacity`
-    bytes; `stats` counts what it did.
+    bytes; `stats` counts what it did. `gathered`: the most a call stacks at once beside them (the budget's).
 
     Reads overlap compute by the kernel's readahead: the stacks of one SwitchGLU (up, gate, down) take the same
     routed experts, so when the first is asked for them the others' uncached experts are announced to the kernel
@@ -102,10 +102,11 @@ class ExpertCache:
 
     readahead = True  # the benchmark turns it off to measure it
 
-    def __init__(self, store: NpyDir, names: list[str], capacity: int):
+    def __init__(self, store: NpyDir, names: list[str], capacity: int, gathered: int = 0):
         self.store = store
         self.stacks = {name: _ExpertStack(store, name) for name in names}
         self.capacity = capacity
+        self.gathered = gathered
         self.stats = ExpertStats()
         self._cached: OrderedDict[tuple[str, int], tuple[mx.array, ...]] = OrderedDict()
         self.used = 0

@@ -4,8 +4,9 @@ a dense model over the budget refused before anything is read; `generate` and `s
 
 from __future__ import annotations
 
-import os
+import functools
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -138,6 +139,34 @@ def test_the_server_answers_a_chat_with_streamed_experts_within_max_memory(moe_s
     finally:
         process.kill()
         process.wait(timeout=60)
+
+
+def test_the_server_counts_a_streamed_models_budget_and_leaves_mlx_only_the_rest(moe_store):
+    """The server's MLX buffer cache (freed buffers the process keeps) gets the bytes the budget leaves beside the
+    resident models, no more: a limit of the whole budget let a streamed model's prompt pass keep every stack it
+    gathered and freed, on top of the model (docs/design.md §9.4)."""
+    from squishlike.mlx_lm_tools import run_tool
+    from squishlike.server import ModelManager, ServerOptions
+
+    cli_args = []  # mlx_lm's server flags, parsed by mlx_lm's own parser
+    run_tool("server", ["--model", str(moe_store)],
+             seams={"run": lambda host, port, provider: cli_args.append(provider.cli_args)})
+    budget = smallest_budget(moe_store)
+    least = mx.set_cache_limit(0)  # MLX's own limit, the least the server leaves its cache: none here
+    manager = ModelManager(cli_args[0], ServerOptions(max_memory=budget),
+                           functools.partial(squishlike.load, max_memory=budget))
+    try:
+        resident = manager.acquire("default_model")
+        manager.release(resident)
+        assert resident.nbytes == budget  # the resident part, the cache of experts and one gathered stack
+        model = resident.generator.model_provider.model
+        assert expert_cache(model) is not None
+        mx.clear_cache()
+        mx.eval(model(mx.array([PROMPT])))  # a prompt's pass: every stack gathered, multiplied and freed
+        assert mx.get_cache_memory() == 0
+    finally:
+        manager.stop_and_join()
+        mx.set_cache_limit(least)
 
 
 def test_bf16_experts_take_the_float32_cpu_path_streamed_or_resident_alike(tokenizer_dir, tmp_path):
