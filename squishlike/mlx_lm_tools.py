@@ -43,7 +43,7 @@ def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = Non
     import mlx_lm.utils
 
     from .loader import load
-    from .sharded import sharded_load
+    from .load.sharded import sharded_load
 
     check_mlx_lm_version(mlx_lm.__version__)
     module = importlib.import_module(f"mlx_lm.{tool}")

@@ -56,7 +56,7 @@ def sharded_loader(pipeline_group: mx.distributed.Group | None) -> Callable[...,
     """mlx_lm.generate's `load`, answered with this rank's share (squishlike.sharded_load): a pipeline over
     `pipeline_group`, or with none, the split sharded_load picks. What a share cannot take is refused, not
     dropped: an adapter (as mlx_lm's chat and server refuse it on several ranks) and a changed model config."""
-    from ..sharded import sharded_load
+    from ..load.sharded import sharded_load
 
     def load(path: str, adapter_path: str | None = None, tokenizer_config: dict[str, Any] | None = None,
              model_config: dict[str, Any] | None = None, return_config: bool = False,

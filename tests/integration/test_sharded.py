@@ -308,7 +308,7 @@ def test_tools_take_squishlike_sharded_load(monkeypatch, tool):
     import mlx_lm.utils
 
     from squishlike.mlx_lm_tools import run_tool
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
 
     module = importlib.import_module(f"mlx_lm.{tool}")
     seen = []

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .errors import FormatError, MissingTensorError, UnsupportedArchitectureError
-from .hub import resolve
-from .io.checksum import check_files
-from .npydir import MANIFEST, NpyDir, is_npydir
+from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
+from ..hub import resolve
+from ..io.checksum import check_files
+from ..npydir import MANIFEST, NpyDir, is_npydir
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -85,9 +85,9 @@ def sharded_load(
     cached share before loading it (a damaged share is then rebuilt)."""
     import mlx.core as mx
 
-    from .model import model_tokenizer
-    from .tiers.base import keep_uncast
-    from .tiers.load import verify_wanted
+    from ..model import model_tokenizer
+    from ..tiers.base import keep_uncast
+    from ..tiers.load import verify_wanted
 
     path = resolve(path_or_hf_repo)
     started = time.perf_counter()
@@ -102,7 +102,7 @@ def sharded_load(
         else:
             from mlx_lm.utils import load_config
 
-            from .provider import WeightProvider
+            from ..provider import WeightProvider
 
             provider = stack.enter_context(WeightProvider.open(path))
             side_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="squishlike-side-")))
@@ -151,7 +151,7 @@ def plan_shards(
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .model import model_classes, quantize_as_stored
+    from ..model import model_classes, quantize_as_stored
 
     model_class, args_class = model_classes(config, model_dir, trust_remote_code)
 
@@ -244,10 +244,10 @@ def _store_weights(store: NpyDir, plan: Plan, verify: bool = False) -> tuple[dic
     """The rank's weights from its cached share when ready, else read slice by slice and cached; `verify`: each
     file checked against every hash recorded first. Returns (weights by mlx_lm name, the tier that served them,
     stored bytes read)."""
-    from .dtypes import to_mx
-    from .npydir.slices import SliceReader
-    from .tiers.base import mlx_names
-    from .tiers.rank import RankTier
+    from ..dtypes import to_mx
+    from ..npydir.slices import SliceReader
+    from ..tiers.base import mlx_names
+    from ..tiers.rank import RankTier
 
     canonical = {mlx: name for name, mlx in mlx_names(store).items()}
     for name in plan.kept:
