@@ -223,3 +223,46 @@ def test_other_moe_families_stream_exactly(family, tokenizer_dir, tmp_path):
     assert mx.array_equal(streamed(mx.array([PROMPT])), resident(mx.array([PROMPT]))).item()
     assert generate(streamed, tokenizer, "The quick", max_tokens=8) == generate(resident, tokenizer, "The quick",
                                                                                  max_tokens=8)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sharded_rank_streams_its_own_share_of_the_experts(moe_store, rank):
+    """sharded_load under max_memory: rank `rank` of a tensor split in two (one process: its layers are run one by
+    one, a whole forward would wait for the other rank's sums) keeps its dense share of the rest and reads its own
+    rows (up, gate) or columns (down) of each routed expert, quantized, from the store; each expert stack computes
+    what the rank's resident share computes. A group of one runs the whole model: the resident share's logits."""
+    from types import SimpleNamespace
+
+    from mlx.utils import tree_flatten
+
+    from squishlike.load.sharded import sharded_load
+
+    group = SimpleNamespace(rank=lambda: rank, size=lambda: 2)
+    resident, _ = sharded_load(moe_store, tensor_group=group)
+    held = dict(tree_flatten(resident.parameters()))
+    rest = sum(v.nbytes for name, v in held.items() if ".switch_mlp." not in name)
+    opened = NpyDir(moe_store)
+    largest = max(held_bytes(opened, e) for name, e in opened.entries.items() if ".switch_mlp." in name) // 2
+    with pytest.raises(MemoryBudgetError, match=f"at least {rest + 2 * largest} bytes"):
+        sharded_load(moe_store, tensor_group=group, max_memory=rest + 2 * largest - 1)
+    streamed, _ = sharded_load(moe_store, tensor_group=group, max_memory=rest + 2 * largest)
+    cache = expert_cache(streamed)
+    assert cache is not None and cache.capacity == largest  # one stack's share of the experts at a time
+    parameters = dict(tree_flatten(streamed.parameters()))
+    assert parameters.keys() == {name for name in held if not name.endswith("switch_mlp.up_proj.weight")
+                                 and not name.endswith("switch_mlp.gate_proj.weight")
+                                 and not name.endswith("switch_mlp.down_proj.weight")}
+    assert all(mx.array_equal(parameters[name], held[name]).item() for name in parameters)
+    x = mx.random.normal((1, len(PROMPT), MOE["hidden_size"]), key=mx.random.key(rank))
+    indices = mx.random.randint(0, MOE["num_experts"], (1, len(PROMPT), 2), key=mx.random.key(7))
+    for ours, theirs in zip(streamed.model.layers, resident.model.layers):
+        expected = theirs.mlp.switch_mlp(x, indices)
+        assert mx.allclose(ours.mlp.switch_mlp(x, indices), expected, atol=1e-5).item()
+    assert cache.stats.misses > MOE["num_experts"] and cache.used <= cache.capacity
+    assert (moe_store / "shards" / f"tensor-2-{rank}.experts-streamed").is_dir()  # beside the whole share's
+
+    whole, _ = sharded_load(moe_store)  # a group of one: every layer here
+    budget = smallest_budget(moe_store) + sum(v.nbytes for name, v in tree_flatten(whole.parameters())) // 2
+    streamed, _ = sharded_load(moe_store, max_memory=budget)
+    assert expert_cache(streamed) is not None
+    assert mx.allclose(streamed(mx.array([PROMPT])), whole(mx.array([PROMPT])), atol=1e-4).item()

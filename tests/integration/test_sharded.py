@@ -315,3 +315,5 @@ def test_tools_take_squishlike_sharded_load(monkeypatch, tool):
     monkeypatch.setattr(module, "main", lambda: seen.append(module.sharded_load))
     run_tool(tool, [])
     assert seen == [sharded_load] and module.sharded_load is mlx_lm.utils.sharded_load
+    run_tool(tool, [], max_memory=3 * 10**9)  # --max-memory: each rank streams its experts within it
+    assert seen[-1].func is sharded_load and seen[-1].keywords == {"max_memory": 3 * 10**9}
