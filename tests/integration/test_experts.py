@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import generate
 from openai import OpenAI
@@ -266,3 +267,15 @@ def test_a_sharded_rank_streams_its_own_share_of_the_experts(moe_store, rank):
     streamed, _ = sharded_load(moe_store, max_memory=budget)
     assert expert_cache(streamed) is not None
     assert mx.allclose(streamed(mx.array([PROMPT])), whole(mx.array([PROMPT])), atol=1e-4).item()
+
+
+def test_a_ranks_part_of_an_expert_that_is_not_one_run_of_whole_groups_is_refused(moe_store):
+    from squishlike.load.experts import ExpertCache
+
+    opened = NpyDir(moe_store)
+    name = next(n for n in opened.entries if ".switch_mlp." in n and "down" in n)
+    group = opened.entries[name].group_size
+    for kept in ((2, np.arange(1, 1 + group)), (1, np.array([0, 2])), (0, np.arange(2))):  # mid-group, gaps, experts
+        with pytest.raises(MemoryBudgetError, match="cannot be streamed"):
+            ExpertCache(opened, [name], 10**6, kept={name: kept})
+    assert ExpertCache(opened, [name], 10**6, kept={name: (2, np.arange(group))}).stacks[name].expert_bytes > 0
