@@ -59,7 +59,7 @@ class _ExpertStack:
         self.scale_dtype = entry.scale_dtype
         self.runtime = MX_DTYPES[store.runtime_dtype]
         self.group_size, self.bits = entry.group_size, entry.kind.bits
-        (rows, cols) = _kept_runs(store, name, entry.shape, entry.group_size, kept)
+        rows, cols = _kept_runs(store, name, entry.shape, entry.group_size, kept)
         self.parts = []
         self.expert_bytes = 0
         self.spans = []  # where each part's expert 0 lies in its pack, its stride and extent: what readahead asks
@@ -97,12 +97,12 @@ class _ExpertStack:
 def _kept_runs(store: NpyDir, name: str, shape: tuple[int, ...], group_size: int,
                kept: tuple[int, np.ndarray] | None) -> tuple[tuple[int, int], tuple[int, int]]:
     """The run of rows and the run of columns of each expert that `kept` keeps of a stored [experts, out, in]
-    stack; ShardError unless it is one contiguous run of rows, or of whole groups of columns."""
+    stack; MemoryBudgetError unless it is one contiguous run of rows, or of whole groups of columns."""
     rows, cols = (0, shape[1]), (0, shape[2])
     if kept is None:
         return rows, cols
     axis, index = kept[0] % 3, np.asarray(kept[1])
-    run = (int(index[0]), int(index[-1]) + 1)
+    run = (int(index[0]), int(index[-1]) + 1) if len(index) else (0, 0)
     contiguous = len(index) > 0 and np.array_equal(index, np.arange(*run))
     if axis == 0 or not contiguous or (axis == 2 and (run[0] % group_size or run[1] % group_size)):
         raise MemoryBudgetError(store.path, f"{name}: a rank keeps experts' {'rows' if axis == 1 else 'columns'} "

@@ -16,6 +16,8 @@ slices. Here the model is split first, with no weights in it, and then asked whi
   An MLX-quantized source stays quantized, as mlx_lm keeps it: the model is quantized as stored before the split
   (mlx_lm too quantizes before `shard()`), so the split has the quantized sharded layers and the probes say how
   each part of a packed triple (words, scales, biases) is cut.
+- Under `max_memory`, a share over it keeps its part of a MoE model's expert stacks in the store, streamed through
+  the cache of experts `load` streams them through (experts.py), and the rest cached as a share of its own.
 """
 
 from __future__ import annotations
