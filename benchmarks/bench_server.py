@@ -83,21 +83,27 @@ def first_token_s(port: int, model: str) -> float:
     raise RuntimeError(f"{model}: the server streamed no token")
 
 
-def measure(command: list[str], models: list[str], swaps: int, log: Path) -> dict:
-    """Start a server, answer each model once, then time `swaps` requests alternating between them."""
+def start_server(command: list[str], log: Path, startup_s: float = 300) -> tuple[subprocess.Popen, int]:
+    """A server `command` on a free port, its output to `log`, once it answers /health: (its process, the port)."""
     port = free_port()
     with open(log, "w") as out:
         server = subprocess.Popen([*command, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + startup_s
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"the server did not start:\n{log.read_text()}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+            return server, port
+        except OSError:
+            time.sleep(0.3)
+
+
+def measure(command: list[str], models: list[str], swaps: int, log: Path) -> dict:
+    """Start a server, answer each model once, then time `swaps` requests alternating between them."""
+    server, port = start_server(command, log)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{log.read_text()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
-                break
-            except OSError:
-                time.sleep(0.3)
         for model in models:  # untimed: tiers built, files in the page cache
             first_token_s(port, model)
         times = [first_token_s(port, models[(i + 1) % len(models)]) for i in range(swaps)]

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first use so `import squishlike` (and `squishlike --help`) stays fast.
 _API = {
     "load": "loader",
-    "sharded_load": "sharded",
+    "sharded_load": "load.sharded",
     "compress": "compressor",
     "open_weights": "provider",
     "export": "exporter",

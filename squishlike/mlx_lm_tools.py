@@ -36,14 +36,16 @@ def check_mlx_lm_version(version: str) -> None:
 
 
 def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = None,
-             seams: dict[str, Callable[..., Any]] | None = None, **load_options: Any) -> None:
+             seams: dict[str, Callable[..., Any]] | None = None, max_memory: int | None = None,
+             **load_options: Any) -> None:
     """Run `mlx_lm <tool> ARGV` with squishlike.load(..., **load_options) as its loader (`tier=`, say), or with
-    `loader` in its place; `seams` rebinds more of the tool module's names for the run (the server's `run`)."""
+    `loader` in its place; `seams` rebinds more of the tool module's names for the run (the server's `run`). A
+    tool that loads a share under mlx.launch gets squishlike.sharded_load, within `max_memory` if given."""
     import mlx_lm
     import mlx_lm.utils
 
     from .loader import load
-    from .sharded import sharded_load
+    from .load.sharded import sharded_load
 
     check_mlx_lm_version(mlx_lm.__version__)
     module = importlib.import_module(f"mlx_lm.{tool}")
@@ -55,7 +57,8 @@ def run_tool(tool: str, argv: list[str], loader: Callable[..., Any] | None = Non
     saved_argv = sys.argv
     seams = {"load": loader or functools.partial(load, **load_options), **(seams or {})}
     if getattr(module, "sharded_load", None) is mlx_lm.utils.sharded_load:  # chat, server: under mlx.launch
-        seams["sharded_load"] = sharded_load
+        seams["sharded_load"] = sharded_load if max_memory is None else functools.partial(sharded_load,
+                                                                                         max_memory=max_memory)
     originals = {name: getattr(module, name) for name in seams}
     for name, replacement in seams.items():
         setattr(module, name, replacement)
@@ -129,7 +132,7 @@ def run_tool_command(args: argparse.Namespace) -> int:
         return loaded
 
     try:
-        run_tool(args.mlx_lm_tool, args.tool_argv, loader=loader)
+        run_tool(args.mlx_lm_tool, args.tool_argv, loader=loader, max_memory=args.max_memory)
     finally:
         for cache in caches:
             print(cache.stats.describe(), file=sys.stderr)

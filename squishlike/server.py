@@ -11,8 +11,8 @@ cache, unchanged), and a ModelManager decides what stays resident:
 - How long: a model is loaded on its first request (or at start with `--preload`), and unloaded once idle for its
   keep-alive (`--keep-alive`, or a request's `keep_alive`), its memory then given back to the system.
 - How many: resident models stay within `--max-memory`; a load evicts the least recently used idle models first.
-  Their buffers stay in MLX's buffer cache (limited to the budget), so the next load reuses them instead of
-  faulting in fresh pages; the cache is cleared only when the budget needs the room.
+  Their buffers stay in MLX's buffer cache (limited to the budget less the resident models), so the next load
+  reuses them instead of faulting in fresh pages; the cache is cleared only when the budget needs the room.
 - Who waits: models generate concurrently, each on its own thread, so a long generation never blocks a request
   for another resident model. A request that needs memory held by models that are generating waits for them at
   most `--max-wait` seconds, then gets HTTP 503.
@@ -149,9 +149,11 @@ def iso(t: float) -> str:
 
 
 def model_nbytes(model: Any) -> int:
-    """A model's memory: its parameters, and the cache of a model whose experts are streamed (--max-memory)."""
+    """A model's memory: its parameters, and for a model whose experts are streamed (--max-memory) its cache of
+    experts and the stack a call gathers beside it: the whole of its budget."""
     cache = expert_cache(model)
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters())) + (cache.capacity if cache else 0)
+    streamed = cache.capacity + cache.gathered if cache else 0
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters())) + streamed
 
 
 class ModelManager:
@@ -171,7 +173,8 @@ class ModelManager:
         # Every load runs on this one thread: MLX gives each thread that evaluates its own streams, and keeps their
         # threads for the life of the process.
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="squishlike-load")
-        mx.set_cache_limit(options.max_memory)  # an evicted model's buffers wait here for the next load
+        # MLX's own limit on its buffer cache: the slack a process running one model (generate) has
+        self._least_mlx_cache = mx.set_cache_limit(options.max_memory)
         threading.Thread(target=self._unload_idle, name="squishlike-keep-alive", daemon=True).start()
 
     @property
@@ -248,6 +251,7 @@ class ModelManager:
             self._resident[path] = resident
             self._sizes[path] = nbytes
             self._fit(path)
+            self._bound_mlx_cache()
             total = sum(r.nbytes for r in self._resident.values())
         logging.info(f"loaded {path}: {gb(nbytes)} in {time.perf_counter() - started:.2f} s; resident "
                      f"{len(self._resident)} models, {gb(total)} of the {gb(self.options.max_memory)} budget")
@@ -282,10 +286,18 @@ class ModelManager:
     def _resident_nbytes(self) -> int:
         return sum(r.nbytes for r in self._resident.values())
 
+    def _bound_mlx_cache(self) -> None:
+        """Let MLX's buffer cache hold what the budget leaves beside the resident models (with _changed held), and
+        MLX's own limit at least. Freed buffers wait there, so an evicted model's serve the next load; but they are
+        the process's memory all the same: a limit of the whole budget let a streamed model's prompt pass keep
+        every gathered stack it freed, on top of the model (1.4 GB over a 3 GB budget, docs/design.md §9)."""
+        mx.set_cache_limit(max(self._least_mlx_cache, self.options.max_memory - self._resident_nbytes()))
+
     def _unload(self, path: str, why: str, release_memory: bool) -> None:
         """Stop a model's generation thread and drop it (with _changed held); its buffers go to MLX's cache, or
         back to the system with `release_memory`."""
         resident = self._resident.pop(path)
+        self._bound_mlx_cache()  # room for the buffers it frees, which the next load reuses
         resident.generator.stop_and_join()  # the thread drops the model and its prompt cache as it ends
         del resident
         gc.collect()

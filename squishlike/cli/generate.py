@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if group.rank() != 0:
             stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
-        run_tool(MLX_LM_TOOL, args.tool_argv, loader=sharded_loader(group if args.pipeline else None))
+        run_tool(MLX_LM_TOOL, args.tool_argv, loader=sharded_loader(group if args.pipeline else None,
+                                                                    args.max_memory))
     # mlx_lm computes each token one step ahead, so a step is still in flight when generation ends; a rank that
     # exited then would leave the others waiting on it in that step's collectives ("connection to a peer was lost")
     from mlx_lm.generate import generation_stream
@@ -52,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def sharded_loader(pipeline_group: mx.distributed.Group | None) -> Callable[..., Any]:
-    """mlx_lm.generate's `load`, answered with this rank's share (squishlike.sharded_load): a pipeline over
-    `pipeline_group`, or with none, the split sharded_load picks. What a share cannot take is refused, not
+def sharded_loader(pipeline_group: mx.distributed.Group | None, max_memory: int | None = None) -> Callable[..., Any]:
+    """mlx_lm.generate's `load`, answered with this rank's share (squishlike.sharded_load) within `max_memory`: a
+    pipeline over `pipeline_group`, or with none, the split sharded_load picks. What a share cannot take is refused, not
     dropped: an adapter (as mlx_lm's chat and server refuse it on several ranks) and a changed model config."""
-    from ..sharded import sharded_load
+    from ..load.sharded import sharded_load
 
     def load(path: str, adapter_path: str | None = None, tokenizer_config: dict[str, Any] | None = None,
              model_config: dict[str, Any] | None = None, return_config: bool = False,
@@ -67,6 +68,6 @@ def sharded_loader(pipeline_group: mx.distributed.Group | None) -> Callable[...,
         if changed:
             raise ValueError(f"{', '.join(changed)}: not supported under mlx.launch (several ranks)")
         return sharded_load(path, pipeline_group, None, return_config, tokenizer_config=tokenizer_config,
-                            trust_remote_code=trust_remote_code)
+                            trust_remote_code=trust_remote_code, max_memory=max_memory)
 
     return load

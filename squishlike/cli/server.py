@@ -58,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
             return single_model_run(host, port, model_provider)
         serve(host, port, model_provider.cli_args, options, loader)
 
-    run_tool("server", args.tool_argv, loader=loader, seams={"run": managed_run})
+    run_tool("server", args.tool_argv, loader=loader, seams={"run": managed_run}, max_memory=args.max_memory)
     return 0

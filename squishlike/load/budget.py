@@ -54,11 +54,24 @@ class Budget:
     stacks: dict[str, str]  # module path of each streamed expert stack -> its stored tensor
 
 
-def plan_budget(store: NpyDir, max_memory: int, stacks: dict[str, str]) -> Budget | None:
+@dataclass(frozen=True)
+class Held:
+    """What a load holds in memory, by stored tensor name: each tensor it keeps, as the load that streams nothing
+    holds it; and each expert stack's experts in the store's quantized form, as a streamed load caches them."""
+
+    tensors: dict[str, int]
+    streamed: dict[str, int]
+
+
+def plan_budget(store: NpyDir, max_memory: int, stacks: dict[str, str], held: Held | None = None) -> Budget | None:
     """None when the whole model fits `max_memory`; the Budget of a streamed load when its group-wise expert
     stacks (`stacks`: module path -> stored tensor, of every SwitchLinear; see expert_stacks) can be streamed
-    within it. MemoryBudgetError naming the store and both sizes otherwise: nothing has been read."""
-    whole = sum(held_bytes(store, entry) for entry in store.entries.values())
+    within it. MemoryBudgetError naming the store and both sizes otherwise: nothing has been read.
+
+    `held`: the tensors' sizes (a sharded rank's share: what it keeps of each, dense); default: every tensor as
+    the resident load holds it."""
+    held = held or resident_held(store)
+    whole = sum(held.tensors.values())
     if whole <= max_memory:
         return None
     if not any(store.entries[name].kind.grouped for name in stacks.values()):
@@ -67,23 +80,30 @@ def plan_budget(store: NpyDir, max_memory: int, stacks: dict[str, str]) -> Budge
     if store.version < 2:
         raise MemoryBudgetError(store.path, f"needs {_gb(whole)}, more than max_memory {_gb(max_memory)}, and its "
                                             "experts are streamed from format 2's packs only: compress it again")
-    budget = streamed_budget(store, stacks, 0)
+    budget = streamed_budget(store, stacks, 0, held)
     cache = max_memory - budget.max_memory
-    if cache < budget.gathered:  # the least: memory_figures' least_max_memory  # a call's experts must all be in the cache at once
+    if cache < budget.gathered:  # a call's experts must all be in the cache at once: memory_figures' least
         raise MemoryBudgetError(store.path, f"needs {_gb(whole)} in memory, or at least "
                                             f"{_gb(budget.max_memory + budget.gathered)} with its experts streamed "
                                             f"({_gb(budget.resident)} resident, and one layer's largest expert "
                                             f"stack twice: cached and gathered); max_memory is {_gb(max_memory)}")
-    return streamed_budget(store, stacks, cache)
+    return streamed_budget(store, stacks, cache, held)
 
 
-def streamed_budget(store: NpyDir, stacks: dict[str, str], cache: int) -> Budget:
+def resident_held(store: NpyDir) -> Held:
+    """What the resident load holds: each tensor's held_bytes, a stack's experts the same streamed or not."""
+    tensors = {name: held_bytes(store, entry) for name, entry in store.entries.items()}
+    return Held(tensors, tensors)
+
+
+def streamed_budget(store: NpyDir, stacks: dict[str, str], cache: int, held: Held | None = None) -> Budget:
     """The Budget of a streamed load of `store` whose cache of experts holds `cache` bytes (the benchmark sets it
-    as a share of the experts' bytes; plan_budget, from max_memory)."""
+    as a share of the experts' bytes; plan_budget, from max_memory); `held` as plan_budget's."""
+    held = held or resident_held(store)
     streamed = {path: name for path, name in stacks.items() if store.entries[name].kind.grouped}
-    sizes = [held_bytes(store, store.entries[name]) for name in streamed.values()]
-    whole = sum(held_bytes(store, entry) for entry in store.entries.values())
-    resident, gathered = whole - sum(sizes), max(sizes)
+    sizes = [held.streamed[name] for name in streamed.values()]
+    resident = sum(size for name, size in held.tensors.items() if name not in streamed.values())
+    gathered = max(sizes)
     return Budget(resident + gathered + cache, resident, sum(sizes), cache, gathered, streamed)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..cpu_layers import expert_product
 from ..dtypes import MX_DTYPES, to_mx
+from ..errors import MemoryBudgetError
 from ..io.files import open_regular
 from ..npydir import NpyDir
 from ..quant.schemes import rows_cols
@@ -47,43 +48,67 @@ class ExpertStats:
 
 
 class _ExpertStack:
-    """One stored expert stack: for each part (codes, scales, biases), its rows and columns per expert as the
-    kernels see the part ([rows, cols]), and the shape MLX takes an expert's part as; one expert's bytes."""
+    """One stored expert stack, or the part of it a sharded rank keeps (`kept`: (axis, indices) of the stored
+    [experts, out, in] tensor, as sharded.py's Plan says, one contiguous run along the out or the in axis): for each
+    part (codes, scales, biases), the rows of an expert it holds, their run of columns as the kernels see the part
+    ([rows, cols]), and the shape MLX takes an expert's part as; one expert's bytes."""
 
-    def __init__(self, store: NpyDir, name: str):
+    def __init__(self, store: NpyDir, name: str, kept: tuple[int, np.ndarray] | None = None):
         entry = store.entry(name)
         self.name = name
         self.scale_dtype = entry.scale_dtype
         self.runtime = MX_DTYPES[store.runtime_dtype]
-        lead, cols = list(entry.shape[1:-1]), entry.shape[-1]
+        self.group_size, self.bits = entry.group_size, entry.kind.bits
+        rows, cols = _kept_runs(store, name, entry.shape, entry.group_size, kept)
         self.parts = []
         self.expert_bytes = 0
+        self.spans = []  # where each part's expert 0 lies in its pack, its stride and extent: what readahead asks
         for i, suffix in enumerate(entry.kind.suffixes):
             stored, stored_shape = entry.part_spec(suffix)
-            rows, part_cols = rows_cols(stored_shape)
-            per_expert = rows // entry.shape[0]
-            shape = [*lead, entry.kind.uint32_cols(cols) if i == 0 else cols // entry.group_size]
-            self.parts.append((suffix, per_expert, part_cols, shape))
-            self.expert_bytes += per_expert * part_cols * stored.itemsize
-        # where each part's expert 0 lies in its pack, and one expert's bytes of it: what readahead asks for
-        self.spans = [(store.part_path(name, suffix), entry.files[suffix].offset,
-                       per_expert * cols * entry.part_spec(suffix)[0].itemsize)
-                      for suffix, per_expert, cols, _ in self.parts] if store.version >= 2 else []
+            part_rows, part_cols = rows_cols(stored_shape)
+            per_expert = part_rows // entry.shape[0]
+            width = part_cols * (cols[1] - cols[0]) // entry.shape[-1]  # kept columns in the part's own units
+            start = part_cols * cols[0] // entry.shape[-1]
+            shape = [rows[1] - rows[0], entry.kind.uint32_cols(cols[1] - cols[0]) if i == 0
+                     else (cols[1] - cols[0]) // entry.group_size]
+            self.parts.append((suffix, per_expert, rows, (start, start + width), shape))
+            self.expert_bytes += (rows[1] - rows[0]) * width * stored.itemsize
+            if store.version >= 2:
+                row_bytes = part_cols * stored.itemsize
+                self.spans.append((store.part_path(name, suffix), entry.files[suffix].offset + rows[0] * row_bytes,
+                                   per_expert * row_bytes, (rows[1] - rows[0]) * row_bytes))
 
     def read(self, store: NpyDir, expert: int) -> tuple[mx.array, ...]:
-        """One expert's (weight, scales, biases) as MLX arrays: each part one pread of its rows, checked as every
-        stored part is (NpyDir.read_part_block)."""
+        """One expert's (weight, scales, biases) as MLX arrays: each part one pread of its rows (a strided copy for
+        a run of columns), checked as every stored part is (NpyDir.read_part_block)."""
         arrays = []
-        for i, (suffix, per_expert, cols, shape) in enumerate(self.parts):
-            rows = store.read_part_block(self.name, suffix, [(expert * per_expert, (expert + 1) * per_expert)],
-                                         (0, cols))
+        for i, (suffix, per_expert, (r0, r1), cols, shape) in enumerate(self.parts):
+            first = expert * per_expert
+            rows = store.read_part_block(self.name, suffix, [(first + r0, first + r1)], cols)
             if i == 0:  # the codes: MLX's uint32 words at rest
-                array = mx.array(rows.view(np.uint32))
+                array = mx.array(np.ascontiguousarray(rows).view(np.uint32))
             else:  # scales and biases, in the runtime dtype as the resident load holds them
                 array = to_mx(rows, self.scale_dtype)
                 array = array if array.dtype == self.runtime else array.astype(self.runtime)
             arrays.append(array.reshape(shape))
         return tuple(arrays)
+
+
+def _kept_runs(store: NpyDir, name: str, shape: tuple[int, ...], group_size: int,
+               kept: tuple[int, np.ndarray] | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The run of rows and the run of columns of each expert that `kept` keeps of a stored [experts, out, in]
+    stack; MemoryBudgetError unless it is one contiguous run of rows, or of whole groups of columns."""
+    rows, cols = (0, shape[1]), (0, shape[2])
+    if kept is None:
+        return rows, cols
+    axis, index = kept[0] % 3, np.asarray(kept[1])
+    run = (int(index[0]), int(index[-1]) + 1) if len(index) else (0, 0)
+    contiguous = len(index) > 0 and np.array_equal(index, np.arange(*run))
+    if axis == 0 or not contiguous or (axis == 2 and (run[0] % group_size or run[1] % group_size)):
+        raise MemoryBudgetError(store.path, f"{name}: a rank keeps experts' {'rows' if axis == 1 else 'columns'} "
+                                            f"that are not one run of whole groups along axis {axis}: its experts "
+                                            "cannot be streamed; load it without max_memory")
+    return (run, cols) if axis == 1 else (rows, run)
 
 
 def _descriptor(path: Path, root: Path) -> int:
@@ -94,7 +119,8 @@ def _descriptor(path: Path, root: Path) -> int:
 
 class ExpertCache:
     """The experts of a model's streamed stacks in memory, least recently used evicted first, within `capacity`
-    bytes; `stats` counts what it did.
+    bytes; `stats` counts what it did. `gathered`: the most a call stacks at once beside them (the budget's);
+    `kept`: the part of each stack a sharded rank keeps (_ExpertStack).
 
     Reads overlap compute by the kernel's readahead: the stacks of one SwitchGLU (up, gate, down) take the same
     routed experts, so when the first is asked for them the others' uncached experts are announced to the kernel
@@ -102,10 +128,12 @@ class ExpertCache:
 
     readahead = True  # the benchmark turns it off to measure it
 
-    def __init__(self, store: NpyDir, names: list[str], capacity: int):
+    def __init__(self, store: NpyDir, names: list[str], capacity: int, gathered: int = 0,
+                 kept: dict[str, tuple[int, np.ndarray] | None] | None = None):
         self.store = store
-        self.stacks = {name: _ExpertStack(store, name) for name in names}
+        self.stacks = {name: _ExpertStack(store, name, (kept or {}).get(name)) for name in names}
         self.capacity = capacity
+        self.gathered = gathered
         self.stats = ExpertStats()
         self._cached: OrderedDict[tuple[str, int], tuple[mx.array, ...]] = OrderedDict()
         self.used = 0
@@ -113,7 +141,7 @@ class ExpertCache:
         for name in names:
             siblings.setdefault(name.rsplit(".", 2)[0], []).append(name)
         self._siblings = {name: [s for s in siblings[name.rsplit(".", 2)[0]] if s != name] for name in names}
-        paths = {path for stack in self.stacks.values() for path, _, _ in stack.spans}
+        paths = {path for stack in self.stacks.values() for path, *_ in stack.spans}
         self._fds = {path: _descriptor(path, store.path) for path in paths} if hasattr(os, "posix_fadvise") else {}
         weakref.finalize(self, _close_all, list(self._fds.values()))
 
@@ -125,8 +153,8 @@ class ExpertCache:
             stack = self.stacks[sibling]
             for e in experts:
                 if (sibling, int(e)) not in self._cached:
-                    for path, start, length in stack.spans:
-                        os.posix_fadvise(self._fds[path], start + int(e) * length, length, os.POSIX_FADV_WILLNEED)
+                    for path, start, stride, length in stack.spans:
+                        os.posix_fadvise(self._fds[path], start + int(e) * stride, length, os.POSIX_FADV_WILLNEED)
 
     def gather(self, name: str, experts: np.ndarray) -> tuple[mx.array, ...]:
         """(weight, scales, biases) of stack `name`'s `experts` (ascending, distinct), stacked in that order. Those
@@ -162,11 +190,13 @@ def _close_all(fds: list[int]) -> None:
 
 class StreamedSwitchLinear(nn.Module):
     """mlx_lm's QuantizedSwitchLinear with its experts in an ExpertCache instead of in memory: the same call,
-    the same `gather_qmm`, on the routed experts only."""
+    the same `gather_qmm`, on the routed experts only. It takes the place of a QuantizedSwitchLinear (a load) or
+    of a SwitchLinear (a sharded rank, whose other layers are dense): the quantization is the store's."""
 
     def __init__(self, layer: nn.Module, name: str, cache: ExpertCache):
         super().__init__()
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        stack = cache.stacks[name]
+        self.group_size, self.bits, self.mode = stack.group_size, stack.bits, "affine"
         self.num_experts = layer.weight.shape[0]
         if "bias" in layer:
             self.bias = layer.bias

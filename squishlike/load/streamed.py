@@ -32,7 +32,7 @@ def load_streamed(store: NpyDir, budget: Budget, *, verify: bool, tokenizer_conf
     model = source_model(config, loaded.weights, store.path, store.path, lazy=True,
                          trust_remote_code=trust_remote_code)
     del loaded
-    cache = ExpertCache(store, list(budget.stacks.values()), budget.cache)
+    cache = ExpertCache(store, list(budget.stacks.values()), budget.cache, budget.gathered)
     stream_experts(model, budget.stacks, cache)
     keep_uncast(model, store)
     mx.eval(model.parameters())

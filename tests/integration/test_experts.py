@@ -4,14 +4,16 @@ a dense model over the budget refused before anything is read; `generate` and `s
 
 from __future__ import annotations
 
-import os
+import functools
 import json
+import os
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import generate
 from openai import OpenAI
@@ -140,6 +142,34 @@ def test_the_server_answers_a_chat_with_streamed_experts_within_max_memory(moe_s
         process.wait(timeout=60)
 
 
+def test_the_server_counts_a_streamed_models_budget_and_leaves_mlx_only_the_rest(moe_store):
+    """The server's MLX buffer cache (freed buffers the process keeps) gets the bytes the budget leaves beside the
+    resident models, no more: a limit of the whole budget let a streamed model's prompt pass keep every stack it
+    gathered and freed, on top of the model (docs/design.md §9.4)."""
+    from squishlike.mlx_lm_tools import run_tool
+    from squishlike.server import ModelManager, ServerOptions
+
+    cli_args = []  # mlx_lm's server flags, parsed by mlx_lm's own parser
+    run_tool("server", ["--model", str(moe_store)],
+             seams={"run": lambda host, port, provider: cli_args.append(provider.cli_args)})
+    budget = smallest_budget(moe_store)
+    least = mx.set_cache_limit(0)  # MLX's own limit, the least the server leaves its cache: none here
+    manager = ModelManager(cli_args[0], ServerOptions(max_memory=budget),
+                           functools.partial(squishlike.load, max_memory=budget))
+    try:
+        resident = manager.acquire("default_model")
+        manager.release(resident)
+        assert resident.nbytes == budget  # the resident part, the cache of experts and one gathered stack
+        model = resident.generator.model_provider.model
+        assert expert_cache(model) is not None
+        mx.clear_cache()
+        mx.eval(model(mx.array([PROMPT])))  # a prompt's pass: every stack gathered, multiplied and freed
+        assert mx.get_cache_memory() == 0
+    finally:
+        manager.stop_and_join()
+        mx.set_cache_limit(least)
+
+
 def test_bf16_experts_take_the_float32_cpu_path_streamed_or_resident_alike(tokenizer_dir, tmp_path):
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
@@ -194,3 +224,58 @@ def test_other_moe_families_stream_exactly(family, tokenizer_dir, tmp_path):
     assert mx.array_equal(streamed(mx.array([PROMPT])), resident(mx.array([PROMPT]))).item()
     assert generate(streamed, tokenizer, "The quick", max_tokens=8) == generate(resident, tokenizer, "The quick",
                                                                                  max_tokens=8)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sharded_rank_streams_its_own_share_of_the_experts(moe_store, rank):
+    """sharded_load under max_memory: rank `rank` of a tensor split in two (one process: its layers are run one by
+    one, a whole forward would wait for the other rank's sums) keeps its dense share of the rest and reads its own
+    rows (up, gate) or columns (down) of each routed expert, quantized, from the store; each expert stack computes
+    what the rank's resident share computes. A group of one runs the whole model: the resident share's logits."""
+    from types import SimpleNamespace
+
+    from mlx.utils import tree_flatten
+
+    from squishlike.load.sharded import sharded_load
+
+    group = SimpleNamespace(rank=lambda: rank, size=lambda: 2)
+    resident, _ = sharded_load(moe_store, tensor_group=group)
+    held = dict(tree_flatten(resident.parameters()))
+    rest = sum(v.nbytes for name, v in held.items() if ".switch_mlp." not in name)
+    opened = NpyDir(moe_store)
+    largest = max(held_bytes(opened, e) for name, e in opened.entries.items() if ".switch_mlp." in name) // 2
+    with pytest.raises(MemoryBudgetError, match=f"at least {rest + 2 * largest} bytes"):
+        sharded_load(moe_store, tensor_group=group, max_memory=rest + 2 * largest - 1)
+    streamed, _ = sharded_load(moe_store, tensor_group=group, max_memory=rest + 2 * largest)
+    cache = expert_cache(streamed)
+    assert cache is not None and cache.capacity == largest  # one stack's share of the experts at a time
+    parameters = dict(tree_flatten(streamed.parameters()))
+    assert parameters.keys() == {name for name in held if not name.endswith("switch_mlp.up_proj.weight")
+                                 and not name.endswith("switch_mlp.gate_proj.weight")
+                                 and not name.endswith("switch_mlp.down_proj.weight")}
+    assert all(mx.array_equal(parameters[name], held[name]).item() for name in parameters)
+    x = mx.random.normal((1, len(PROMPT), MOE["hidden_size"]), key=mx.random.key(rank))
+    indices = mx.random.randint(0, MOE["num_experts"], (1, len(PROMPT), 2), key=mx.random.key(7))
+    for ours, theirs in zip(streamed.model.layers, resident.model.layers):
+        expected = theirs.mlp.switch_mlp(x, indices)
+        assert mx.allclose(ours.mlp.switch_mlp(x, indices), expected, atol=1e-5).item()
+    assert cache.stats.misses > MOE["num_experts"] and cache.used <= cache.capacity
+    assert (moe_store / "shards" / f"tensor-2-{rank}.experts-streamed").is_dir()  # beside the whole share's
+
+    whole, _ = sharded_load(moe_store)  # a group of one: every layer here
+    budget = smallest_budget(moe_store) + sum(v.nbytes for name, v in tree_flatten(whole.parameters())) // 2
+    streamed, _ = sharded_load(moe_store, max_memory=budget)
+    assert expert_cache(streamed) is not None
+    assert mx.allclose(streamed(mx.array([PROMPT])), whole(mx.array([PROMPT])), atol=1e-4).item()
+
+
+def test_a_ranks_part_of_an_expert_that_is_not_one_run_of_whole_groups_is_refused(moe_store):
+    from squishlike.load.experts import ExpertCache
+
+    opened = NpyDir(moe_store)
+    name = next(n for n in opened.entries if ".switch_mlp." in n and "down" in n)
+    group = opened.entries[name].group_size
+    for kept in ((2, np.arange(1, 1 + group)), (1, np.array([0, 2])), (0, np.arange(2))):  # mid-group, gaps, experts
+        with pytest.raises(MemoryBudgetError, match="cannot be streamed"):
+            ExpertCache(opened, [name], 10**6, kept={name: kept})
+    assert ExpertCache(opened, [name], 10**6, kept={name: (2, np.arange(group))}).stacks[name].expert_bytes > 0

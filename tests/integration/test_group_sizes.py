@@ -21,7 +21,7 @@ from squishlike.cpu_layers import CpuQuantizedLinear
 from squishlike.exporter import export
 from squishlike.info import inspect_model
 from squishlike.npydir import NpyDir
-from squishlike.sharded import sharded_load
+from squishlike.load.sharded import sharded_load
 from squishlike.tiers import order
 
 TOKENS = [1, 5, 9, 20, 33, 7, 100, 250, 3, 42]

@@ -308,10 +308,12 @@ def test_tools_take_squishlike_sharded_load(monkeypatch, tool):
     import mlx_lm.utils
 
     from squishlike.mlx_lm_tools import run_tool
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
 
     module = importlib.import_module(f"mlx_lm.{tool}")
     seen = []
     monkeypatch.setattr(module, "main", lambda: seen.append(module.sharded_load))
     run_tool(tool, [])
     assert seen == [sharded_load] and module.sharded_load is mlx_lm.utils.sharded_load
+    run_tool(tool, [], max_memory=3 * 10**9)  # --max-memory: each rank streams its experts within it
+    assert seen[-1].func is sharded_load and seen[-1].keywords == {"max_memory": 3 * 10**9}

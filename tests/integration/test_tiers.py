@@ -112,7 +112,7 @@ def test_prune_removes_every_rank_share_under_its_lock(tiny_llama, tmp_path):
     import threading
 
     from squishlike.io.lock import DirectoryLock
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
 
     out = squishlike.compress(tiny_llama, tmp_path / "out", scheme="int4", tiers=("int4",), **ROUND_TO_NEAREST)
     reference, _ = sharded_load(out)

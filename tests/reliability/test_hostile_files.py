@@ -223,7 +223,7 @@ def _verify(store: Path) -> None:
 
 
 def _sharded(store: Path) -> None:
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
 
     sharded_load(store)
 
@@ -336,7 +336,7 @@ def test_sharded_load_verifies_a_share_when_asked(how, base, with_share, tmp_pat
     store."""
     from support.crash_harness import weights_digest
 
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
 
     store = shutil.copytree(with_share, tmp_path / "model")
     share = store / "shards" / "tensor-1-0" / "weights.safetensors"
@@ -373,7 +373,7 @@ def test_a_share_from_another_store_is_refused_and_rebuilt(base, with_share, tmp
     file, and reads and caches its own share from the store."""
     from support.crash_harness import weights_digest
 
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
 
     other = shutil.copytree(base.other, tmp_path / "other", symlinks=True)
     _sharded(other)

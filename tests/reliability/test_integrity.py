@@ -313,7 +313,7 @@ def bound(store: Path) -> dict[str, bool]:
 def test_a_sentinel_binds_the_files_it_was_written_over(lab, tmp_path):
     """Every tier a first load writes (dense ones on its background thread), and a rank share, records the
     identity its files have once published: the next load stats them and hashes nothing."""
-    from squishlike.sharded import sharded_load
+    from squishlike.load.sharded import sharded_load
     from squishlike.tiers.background import wait_for_builds
 
     store = shutil.copytree(lab.pristine, tmp_path / "model")

@@ -16,6 +16,8 @@ slices. Here the model is split first, with no weights in it, and then asked whi
   An MLX-quantized source stays quantized, as mlx_lm keeps it: the model is quantized as stored before the split
   (mlx_lm too quantizes before `shard()`), so the split has the quantized sharded layers and the probes say how
   each part of a packed triple (words, scales, biases) is cut.
+- Under `max_memory`, a share over it keeps its part of a MoE model's expert stacks in the store, streamed through
+  the cache of experts `load` streams them through (experts.py), and the rest cached as a share of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import tempfile
 import time
 import warnings
@@ -33,10 +36,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .errors import FormatError, MissingTensorError, UnsupportedArchitectureError
-from .hub import resolve
-from .io.checksum import check_files
-from .npydir import MANIFEST, NpyDir, is_npydir
+from ..errors import FormatError, MissingTensorError, UnsupportedArchitectureError
+from ..hub import resolve
+from ..io.checksum import check_files
+from ..npydir import MANIFEST, NpyDir, is_npydir
+from .budget import Held, check_fits, held_bytes, parse_size, plan_budget
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -72,6 +76,7 @@ def sharded_load(
     tokenizer_config: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     verify: bool | None = None,
+    max_memory: int | str | None = None,
 ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict[str, Any]]:
     """This rank's share of the model and the tokenizer; same arguments and result as `mlx_lm.sharded_load`.
 
@@ -82,12 +87,17 @@ def sharded_load(
 
     An npy-dir's side files are checked on every launch, as `squishlike.load` checks them; `verify=True` (or
     SQUISHLIKE_VERIFY=1) also checks every hash of the store's files before reading slices of them, and of a
-    cached share before loading it (a damaged share is then rebuilt)."""
+    cached share before loading it (a damaged share is then rebuilt).
+
+    `max_memory` (bytes, or a size such as "3GB") bounds this rank's memory as it bounds `load`'s: a share over it
+    keeps its part of a MoE model's expert stacks in the store, read on demand into a cache of the bytes left
+    (squishlike/load/experts.py), the rest resident (and cached as its own share); any other share over it is
+    refused before anything is read. An npy-dir's only: another source's rank is refused over it."""
     import mlx.core as mx
 
-    from .model import model_tokenizer
-    from .tiers.base import keep_uncast
-    from .tiers.load import verify_wanted
+    from ..model import model_tokenizer
+    from ..tiers.base import keep_uncast
+    from ..tiers.load import verify_wanted
 
     path = resolve(path_or_hf_repo)
     started = time.perf_counter()
@@ -98,12 +108,16 @@ def sharded_load(
             store.check_side_files(verify)
             config, side_files, source = store.config(), store.path, store.path
             plan = plan_shards(config, store.path, pipeline_group, tensor_group, trust_remote_code)
+            if max_memory is not None:
+                plan = _stream_experts(store, plan, parse_size(max_memory))
             weights, tier, nbytes = _store_weights(store, plan, verify)
         else:
             from mlx_lm.utils import load_config
 
-            from .provider import WeightProvider
+            from ..provider import WeightProvider
 
+            if max_memory is not None:
+                check_fits(path, parse_size(max_memory))
             provider = stack.enter_context(WeightProvider.open(path))
             side_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="squishlike-side-")))
             provider.write_side_files(side_files)
@@ -151,7 +165,7 @@ def plan_shards(
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .model import model_classes, quantize_as_stored
+    from ..model import model_classes, quantize_as_stored
 
     model_class, args_class = model_classes(config, model_dir, trust_remote_code)
 
@@ -244,10 +258,10 @@ def _store_weights(store: NpyDir, plan: Plan, verify: bool = False) -> tuple[dic
     """The rank's weights from its cached share when ready, else read slice by slice and cached; `verify`: each
     file checked against every hash recorded first. Returns (weights by mlx_lm name, the tier that served them,
     stored bytes read)."""
-    from .dtypes import to_mx
-    from .npydir.slices import SliceReader
-    from .tiers.base import mlx_names
-    from .tiers.rank import RankTier
+    from ..dtypes import to_mx
+    from ..npydir.slices import SliceReader
+    from ..tiers.base import mlx_names
+    from ..tiers.rank import RankTier
 
     canonical = {mlx: name for name, mlx in mlx_names(store).items()}
     for name in plan.kept:
@@ -277,6 +291,41 @@ def _store_weights(store: NpyDir, plan: Plan, verify: bool = False) -> tuple[dic
     except OSError as e:  # read-only directory, disk full: this launch still has its weights
         warnings.warn(f"{store.path}: could not cache the {plan.key} share ({e})")
     return weights, "store", reader.bytes_read
+
+
+def _stream_experts(store: NpyDir, plan: Plan, max_memory: int) -> Plan:
+    """The plan of a rank under `max_memory`: `plan` itself when its share fits whole; else its expert stacks
+    replaced in its model by ones streamed from the store (the part of each expert the rank keeps, in the store's
+    quantized form), and the rest of the share to read, under its own layout key (cached beside the whole share,
+    not over it). MemoryBudgetError, naming both sizes, when even that does not fit (budget.py)."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from ..dtypes import NP_STORAGE
+    from ..tiers.base import mlx_names
+    from .experts import ExpertCache, stream_experts
+
+    canonical = {mlx: name for name, mlx in mlx_names(store).items()}
+    runtime = np.dtype(NP_STORAGE[store.runtime_dtype]).itemsize
+    kept = {canonical[name]: s for name, s in plan.kept.items() if name in canonical}  # _store_weights names any other
+    stacks = {path: canonical[f"{path}.weight"] for path, module in plan.model.named_modules()
+              if isinstance(module, SwitchLinear) and f"{path}.weight" in plan.kept and f"{path}.weight" in canonical}
+    streamed = {}
+    for name in stacks.values():
+        entry, selection = store.entry(name), kept[name]
+        share = (1, 1) if selection is None else (len(selection[1]), entry.shape[selection[0]])
+        streamed[name] = held_bytes(store, entry) * share[0] // share[1]
+    tensors = {name: math.prod(_kept_shape(store.entry(name).shape, s)) * runtime for name, s in kept.items()}
+    budget = plan_budget(store, max_memory, stacks, Held(tensors, streamed))
+    if budget is None:
+        return plan
+    cache = ExpertCache(store, list(budget.stacks.values()), budget.cache, budget.gathered,
+                        {name: kept[name] for name in budget.stacks.values()})
+    stream_experts(plan.model, budget.stacks, cache)
+    log.info("%s: the %s share's experts streamed from the store: %.2f GB resident, a cache of %.2f GB for %.2f GB "
+             "of experts (max_memory %.2f GB)", store.path, plan.key, budget.resident / 1e9, budget.cache / 1e9,
+             budget.experts / 1e9, max_memory / 1e9)
+    rest = {name: s for name, s in plan.kept.items() if name.removesuffix(".weight") not in budget.stacks}
+    return Plan(plan.model, rest, f"{plan.key}.experts-streamed")
 
 
 def _kept_shape(shape: tuple[int, ...], selection: Selection) -> tuple[int, ...]:
