@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..errors import UnsupportedArchitectureError
 from .awq import norm_like, weight_offset
 from .blocks import BlockRunner
 from .linears import COMPENSATED_TYPES, probe
@@ -45,6 +46,20 @@ def lookup_readers(runner: BlockRunner) -> tuple[list[str], np.ndarray | None]:
         return [], None
     h = h / mx.mean(mx.diag(h)) + mx.eye(width)
     return readers, np.ascontiguousarray(np.linalg.cholesky(np.array(h, dtype=np.float64)).T, dtype=np.float32)
+
+
+def lookup_rows(runner: BlockRunner, canonical: dict[str, str]) -> tuple[np.ndarray | None, dict]:
+    """`lookup_readers` of the first block (read for it, then dropped again) and the manifest's record of it:
+    {"readers": canonical weights}, or {"left_out": why} with rows None. `canonical` maps mlx names to canonical."""
+    why = "no linear of the first layer reads its input through a norm"
+    runner.load(0)
+    try:
+        readers, rows = lookup_readers(runner)
+    except UnsupportedArchitectureError as e:
+        readers, rows, why = [], None, str(e)
+    finally:
+        runner.release(0)
+    return rows, {"readers": [canonical[f"{r}.weight"] for r in readers]} if readers else {"left_out": why}
 
 
 def normalised(x: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ from .blocks import BlockRunner
 from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
 from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
-from .lookup import lookup_readers, normalised
+from .lookup import lookup_rows, normalised
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
@@ -165,8 +165,7 @@ class Calibrator:
                 self._stop(str(e))
         elif k == len(self.runner) + 1:
             self._tail(self.runner)
-        tied = self.head is not None and self.embedding in self.head.members
-        if k == 0 and self.opts.gptq_embedding and self.embedding is not None and not tied \
+        if k == 0 and self.opts.gptq_embedding and self._lookup_wanted() and not self._tied() \
                 and (rows := self._lookup(self.runner)) is not None:
             self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
 
@@ -304,19 +303,17 @@ class Calibrator:
             self.plan.quantizers[name] = qz
             self.gptq_tensors.add(name)
 
+    def _tied(self) -> bool:
+        return self.head is not None and self.embedding in self.head.members
+
+    def _lookup_wanted(self) -> bool:
+        """Whether GPTQ may round the token embedding (it keeps a group-wise width)."""
+        return self.embedding is not None and self._gptq_quantizer(self.embedding) is not None
+
     def _lookup(self, runner: BlockRunner) -> np.ndarray | None:
-        """Rows whose x^T x is the Hessian of what reads a looked-up row in the first layer (lookup.py); None where
-        no linear reads it through a norm. Its readers go into the manifest's record."""
-        why = "no linear of the first layer reads its input through a norm"
-        runner.load(0)
-        try:
-            readers, rows = lookup_readers(runner)
-        except UnsupportedArchitectureError as e:
-            readers, rows, why = [], None, str(e)
-        finally:
-            runner.release(0)
-        self.plan.record["gptq_lookup"] = {"readers": [self.canonical[f"{r}.weight"] for r in readers]} if readers \
-            else {"left_out": why}
+        """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py); its readers to the
+        manifest."""
+        rows, self.plan.record["gptq_lookup"] = lookup_rows(runner, self.canonical)
         return rows
 
     def _gptq_quantizer(self, name: str) -> Quantizer | None:
@@ -334,13 +331,12 @@ class Calibrator:
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
             try:
-                calib = record_head(runner, self.head, self.every)
-                if self.opts.gptq_tied_lookup and self.embedding in self.head.members \
+                calib, group = record_head(runner, self.head, self.every), None
+                if self.opts.gptq_tied_lookup and self._tied() and self._lookup_wanted() \
                         and (rows := self._lookup(runner)) is not None:  # a tied matrix: both its uses weigh
                     calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]), normalised(rows)])
-                    self._gptq_inputs([self.head], calib, TIED_GROUP)
-                else:
-                    self._gptq_inputs([self.head], calib)
+                    group = TIED_GROUP
+                self._gptq_inputs([self.head], calib, group)
             except UnsupportedArchitectureError as e:
                 self.gptq_left_out[self.head.members[0]] = str(e)
         if self.opts.scheme == "int3" and self.opts.int3_gate:
