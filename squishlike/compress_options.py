@@ -61,10 +61,10 @@ class CompressOptions:
     gptq: bool | None = None  # error-compensating rounding of the linears and the head (group-wise schemes)
     refit_scales: bool = False  # GPTQ's grid refitted to its codes on the output error (calibration/rounding.py)
     # GPTQ of the token embedding along its width, on the Hessian of what reads a looked-up row in the first layer
-    # (calibration/lookup.py): an untied embedding (`gptq_embedding`); a tied one adds it to the head's
-    # (`gptq_tied_lookup`). None: as gptq
+    # (calibration/lookup.py): an untied embedding (`gptq_embedding`, None: as gptq); a tied one with it added to the
+    # head's (`gptq_tied_lookup`): off by default, it lowers the families' KL and raises SmolLM2's (docs/design.md §7.5)
     gptq_embedding: bool | None = None
-    gptq_tied_lookup: bool | None = None
+    gptq_tied_lookup: bool = False
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
     int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
@@ -89,9 +89,8 @@ class CompressOptions:
         for method in ("awq", "gptq", "clip_search"):
             if getattr(self, method) is None:
                 setattr(self, method, self.scheme in CALIBRATED_BY_DEFAULT)
-        for lookup in ("gptq_embedding", "gptq_tied_lookup"):
-            if getattr(self, lookup) is None:
-                setattr(self, lookup, bool(self.gptq))
+        if self.gptq_embedding is None:
+            self.gptq_embedding = bool(self.gptq)
 
     @property
     def calibrates(self) -> bool:

@@ -162,3 +162,14 @@ def test_the_embedding_is_gptqd_on_what_reads_it_in_the_first_layer(tmp_path, to
     assert not np.array_equal(*(np.array(s.load_part("token_embedding.weight", codes)) for s in stores.values()))
     model, _ = squishlike.load(stores[True].path)
     assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3]])))).item()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"gptq_embedding": "yes"}, "gptq_embedding='yes' is not True or False"),
+    ({"gptq_tied_lookup": True, "gptq": False}, "gptq_tied_lookup=True is a GPTQ of the embedding, and GPTQ is off"),
+])
+def test_bad_lookup_options_are_refused_before_anything_is_written(tmp_path, tokenizer_dir, options, message):
+    src = make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir)
+    with pytest.raises(ValueError, match=message):
+        squishlike.compress(src, tmp_path / "out", scheme="int4", **options)
+    assert not (tmp_path / "out").exists()
