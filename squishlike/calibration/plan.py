@@ -165,8 +165,7 @@ class Calibrator:
                 self._stop(str(e))
         elif k == len(self.runner) + 1:
             self._tail(self.runner)
-        if k == 0 and self.opts.gptq_embedding and self._lookup_wanted() and not self._tied() \
-                and (rows := self._lookup(self.runner)) is not None:
+        if k == 0 and self.opts.gptq_embedding and not self._tied() and (rows := self._lookup(self.runner)) is not None:
             self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
 
     def done(self, k: int) -> None:
@@ -306,13 +305,11 @@ class Calibrator:
     def _tied(self) -> bool:
         return self.head is not None and self.embedding in self.head.members
 
-    def _lookup_wanted(self) -> bool:
-        """Whether GPTQ may round the token embedding (it keeps a group-wise width)."""
-        return self.embedding is not None and self._gptq_quantizer(self.embedding) is not None
-
     def _lookup(self, runner: BlockRunner) -> np.ndarray | None:
-        """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py); its readers to the
-        manifest."""
+        """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py), its readers to the
+        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so."""
+        if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
+            return None
         rows, self.plan.record["gptq_lookup"] = lookup_rows(runner, self.canonical)
         return rows
 
@@ -332,8 +329,8 @@ class Calibrator:
         if self.head is not None and self.opts.gptq:
             try:
                 calib, group = record_head(runner, self.head, self.every), None
-                if self.opts.gptq_tied_lookup and self._tied() and self._lookup_wanted() \
-                        and (rows := self._lookup(runner)) is not None:  # a tied matrix: both its uses weigh
+                if self.opts.gptq_tied_lookup and self._tied() and (rows := self._lookup(runner)) is not None:
+                    # a tied matrix: both its uses weigh
                     calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]), normalised(rows)])
                     group = TIED_GROUP
                 self._gptq_inputs([self.head], calib, group)
