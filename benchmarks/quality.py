@@ -62,6 +62,8 @@ ROWS: list[tuple[str, str, dict]] = [
       for b in (4, 3)),
     ("INT4 default (g64, AWQ+GPTQ+clip, embeddings INT4)", "npydir", {"scheme": "int4"}),
     ("INT4 default + scale refit", "npydir", {"scheme": "int4", "refit_scales": True}),
+    ("INT4 default + tied lookup (the tied matrix GPTQ'd on the lookup's readers too)", "npydir",
+     {"scheme": "int4", "gptq_tied_lookup": True}),
     ("INT4 g64 RTN", "npydir", {"scheme": "int4", **PLAIN}),
     ("INT4 g64 clip", "npydir", {"scheme": "int4", **PLAIN, "clip_search": True}),
     ("INT4 g64 AWQ+clip", "npydir", {"scheme": "int4", "gptq": False}),

@@ -60,6 +60,11 @@ class CompressOptions:
     awq: bool | None = None  # activation-aware per-input-channel scaling, folded into norms / v / up
     gptq: bool | None = None  # error-compensating rounding of the linears and the head (group-wise schemes)
     refit_scales: bool = False  # GPTQ's grid refitted to its codes on the output error (calibration/rounding.py)
+    # GPTQ of the token embedding along its width, on the Hessian of what reads a looked-up row in the first layer
+    # (calibration/lookup.py): an untied embedding (`gptq_embedding`, None: as gptq); a tied one with it added to the
+    # head's (`gptq_tied_lookup`): off by default, it lowers the families' KL and raises SmolLM2's (docs/design.md §7.5)
+    gptq_embedding: bool | None = None
+    gptq_tied_lookup: bool = False
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
     int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
@@ -84,6 +89,8 @@ class CompressOptions:
         for method in ("awq", "gptq", "clip_search"):
             if getattr(self, method) is None:
                 setattr(self, method, self.scheme in CALIBRATED_BY_DEFAULT)
+        if self.gptq_embedding is None:
+            self.gptq_embedding = bool(self.gptq)
 
     @property
     def calibrates(self) -> bool:
@@ -126,6 +133,11 @@ class CompressOptions:
             raise ValueError(f"refit_scales={self.refit_scales!r} is not True or False")
         if self.refit_scales and not self.gptq:
             raise ValueError("refit_scales=True refits the grid of GPTQ's codes, and GPTQ is off")
+        for lookup in ("gptq_embedding", "gptq_tied_lookup"):
+            if not isinstance(getattr(self, lookup), bool):
+                raise ValueError(f"{lookup}={getattr(self, lookup)!r} is not True or False")
+            if getattr(self, lookup) and not self.gptq:
+                raise ValueError(f"{lookup}=True is a GPTQ of the embedding, and GPTQ is off")
         if self.rotate not in ROTATIONS:
             raise ValueError(f"rotate={self.rotate!r} is not a rotation compress offers; choose one of "
                              f"{', '.join(ROTATIONS)}")

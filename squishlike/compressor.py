@@ -83,6 +83,8 @@ def compress(
     awq: bool | None = None,
     gptq: bool | None = None,
     refit_scales: bool = False,
+    gptq_embedding: bool | None = None,
+    gptq_tied_lookup: bool = False,
     mixed_precision: float = 0.0,
     int3_gate: bool = True,
     int3_max_ppl_increase: float = 0.08,
@@ -124,6 +126,12 @@ def compress(
     - refit_scales: after GPTQ (which it turns on), solve each group's scale and offset again for GPTQ's codes,
       by least squares on the linear's output error over the calibration inputs, kept where it beats GPTQ's grid
       (docs/design.md §7.7, with its cost). False by default.
+    - gptq_embedding: GPTQ the token embedding of an untied model along its width, on the Hessian of what reads a
+      looked-up row in the first layer (its linears through their norm, and the residual path), found from the
+      model. None: on with gptq.
+    - gptq_tied_lookup: a tied embedding (the output head too) is GPTQ'd on the head's calibration inputs with that
+      Hessian added. False by default: it lowers the KL of the random-weight families measured and raises
+      SmolLM2's (docs/design.md §7.5).
     - mixed_precision: keep the most sensitive tensors at more bits (INT8 in an INT4/INT3 store, exact in an INT8
       store) within this fraction of extra bytes over the quantized tensors, in [0, 1].
     - int3_gate: INT3 only: measure the accuracy gate; a store that fails it is not written. False skips the gate
@@ -170,6 +178,8 @@ def compress(
         awq=awq,
         gptq=gptq,
         refit_scales=refit_scales,
+        gptq_embedding=gptq_embedding,
+        gptq_tied_lookup=gptq_tied_lookup,
         mixed_precision=mixed_precision,
         int3_gate=int3_gate,
         int3_max_ppl_increase=int3_max_ppl_increase,

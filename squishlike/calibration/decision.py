@@ -18,6 +18,12 @@ from .rounding import refit
 GPTQ_REASON = "; GPTQ (rounding errors compensated on the calibration inputs)"  # ends a GPTQ'd tensor's reason
 REFIT_REASON = ", its grid then refitted to them (scales and offsets by least squares)"
 GPTQ_EXPERTS_REASON = "; GPTQ per expert (each expert's rounding errors compensated on the rows routed to it)"
+# The token embedding's input groups (calibration/lookup.py): an untied one's, and a tied one's (the head's inputs
+# and the lookup's Hessian together)
+LOOKUP_GROUP, TIED_GROUP = "lookup", "head+lookup"
+_LOOKUP = "what reads a looked-up row in the first layer (its linears through their norm, and the residual path)"
+GPTQ_REASONS = {LOOKUP_GROUP: f"; GPTQ along its width (rounding errors compensated on the Hessian of {_LOOKUP})",
+                TIED_GROUP: f"{GPTQ_REASON[:-1]}, and on the Hessian of {_LOOKUP})"}
 
 
 @dataclass
@@ -84,8 +90,11 @@ class Plan:
 
     def compensation(self, name: str) -> str:
         """What ends the manifest reason of a tensor `quantize` GPTQs."""
-        if self.inputs[name][2] is not None:
+        group, _, experts = self.inputs[name]
+        if experts is not None:
             return GPTQ_EXPERTS_REASON
+        if group in GPTQ_REASONS:
+            return GPTQ_REASONS[group]
         errors = self.record.get("scale_refit", {}).get("tensors", {}).get(name)
         return GPTQ_REASON + (REFIT_REASON if errors and errors["refit"] < errors["gptq"] else "")
 

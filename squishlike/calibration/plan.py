@@ -24,9 +24,10 @@ from ..dtypes import NP_STORAGE
 from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
-from .decision import Plan
+from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
 from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
+from .lookup import lookup_rows, normalised
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
@@ -164,6 +165,8 @@ class Calibrator:
                 self._stop(str(e))
         elif k == len(self.runner) + 1:
             self._tail(self.runner)
+        if k == 0 and self.opts.gptq_embedding and not self._tied() and (rows := self._lookup(self.runner)) is not None:
+            self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
 
     def done(self, k: int) -> None:
         """Unit `k` is written: its block's weights and GPTQ inputs go."""
@@ -282,18 +285,33 @@ class Calibrator:
             self.plan.transform.row.update(transform.row)
             self.awq.update(report)
 
-    def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration) -> None:
+    def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration, group: str | None = None) -> None:
         for g in groups:
             if not np.isfinite(calib.samples[g.name]).all():  # the float source overflows here: no Hessian
                 self.gptq_left_out.update({m: "its calibration inputs are not finite" for m in g.members})
                 continue
             for m in g.members:
-                if (qz := self._gptq_quantizer(m)) is not None:
-                    self.plan.inputs[m] = g.name, calib.samples[g.name], calib.experts.get(g.name)
-                    self.plan.quantizers[m] = qz
-                    self.gptq_tensors.add(m)
-                    if g.kind == "experts":
-                        self.expert_stacks.add(m)
+                self._compensate(m, group or g.name, calib.samples[g.name], calib.experts.get(g.name))
+                if g.kind == "experts" and m in self.gptq_tensors:
+                    self.expert_stacks.add(m)
+
+    def _compensate(self, name: str, group: str, x: np.ndarray, experts: np.ndarray | None) -> None:
+        """GPTQ `name` on the Hessian of rows `x` (read by the linears of `group`), when it keeps a group-wise width."""
+        if (qz := self._gptq_quantizer(name)) is not None:
+            self.plan.inputs[name] = group, x, experts
+            self.plan.quantizers[name] = qz
+            self.gptq_tensors.add(name)
+
+    def _tied(self) -> bool:
+        return self.head is not None and self.embedding in self.head.members
+
+    def _lookup(self, runner: BlockRunner) -> np.ndarray | None:
+        """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py), its readers to the
+        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so."""
+        if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
+            return None
+        rows, self.plan.record["gptq_lookup"] = lookup_rows(runner, self.canonical)
+        return rows
 
     def _gptq_quantizer(self, name: str) -> Quantizer | None:
         """The quantizer GPTQ rounds `name` with: the store's, or the group-wise width planned for it."""
@@ -310,7 +328,12 @@ class Calibrator:
         perplexity on the calibration text (the INT3 gate's reference)."""
         if self.head is not None and self.opts.gptq:
             try:
-                self._gptq_inputs([self.head], record_head(runner, self.head, self.every))
+                calib, group = record_head(runner, self.head, self.every), None
+                if self.opts.gptq_tied_lookup and self._tied() and (rows := self._lookup(runner)) is not None:
+                    # a tied matrix: both its uses weigh
+                    calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]), normalised(rows)])
+                    group = TIED_GROUP
+                self._gptq_inputs([self.head], calib, group)
             except UnsupportedArchitectureError as e:
                 self.gptq_left_out[self.head.members[0]] = str(e)
         if self.opts.scheme == "int3" and self.opts.int3_gate:
@@ -464,6 +487,8 @@ class Calibrator:
         if not (m.clip_search == self.opts.clip_search and m.runtime_dtype == self.plan.runtime
                 and ("awq" in m.extra) == bool(self.opts.awq) and ("gptq" in m.extra) == bool(self.opts.gptq)
                 and ("scale_refit" in m.extra) == self.opts.refit_scales
+                and (not self.opts.gptq or {k: m.extra["gptq"].get("lookup", {}).get(k) for k in ("embedding", "tied")}
+                     == {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup})
                 and {k: m.extra.get("calibration", {}).get(k) for k in calibration} == calibration):
             return {}
         found = {name: m.tensors[name] for name, scheme in self.plan.promote.items()
@@ -496,7 +521,7 @@ class Calibrator:
 
     def manifest(self) -> dict[str, Any]:
         """The manifest keys calibration adds: what it measured and applied."""
-        record = {k: v for k, v in self.plan.record.items() if k != "awq_from_first_pass"}
+        record = {k: v for k, v in self.plan.record.items() if k not in ("awq_from_first_pass", "gptq_lookup")}
         if self.opts.awq:
             record["awq"] = self._awq_record()
         if self.opts.gptq:
@@ -508,6 +533,8 @@ class Calibrator:
                 "tensors": len(self.gptq_tensors),
                 "samples": int(sum(len(p) for p in self.every)),
                 "left_out": dict(sorted(self.gptq_left_out.items())),
+                "lookup": {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup,
+                           **self.plan.record.get("gptq_lookup", {})},
             }
             if self.expert_stacks:
                 record["gptq"]["experts"] = {

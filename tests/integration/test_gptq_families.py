@@ -139,3 +139,37 @@ def test_default_compress_gptqs_every_linear_of_any_family(tmp_path, tokenizer_d
         assert len(stacks) == 3 * config["num_hidden_layers"]
     model, _ = squishlike.load(out, tier="cold")
     assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3, 4]])))).item()
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("qwen2", True)])
+def test_the_embedding_is_gptqd_on_what_reads_it_in_the_first_layer(tmp_path, tokenizer_dir, model_type, tied):
+    """The token embedding is GPTQ'd along its width on the Hessian of what reads a looked-up row in the first
+    layer (q, k and v through the input norm, found from the model): alone when untied, added to the head's inputs
+    when tied. The manifest says so, the store loads, and without the option the embedding is rounded as before."""
+    src = make_hf_model(tmp_path / model_type, TINY_CONFIGS[model_type], tokenizer_dir)
+    option = "gptq_tied_lookup" if tied else "gptq_embedding"
+    stores = {on: NpyDir(squishlike.compress(src, tmp_path / f"{model_type}-{on}", scheme="int4",
+                                             calibration_max_tokens=CALIB_TOKENS, **{option: on}))
+              for on in (True, False)}
+    gptq_record = stores[True].manifest.extra["gptq"]["lookup"]
+    assert sorted(gptq_record["readers"]) == [f"layers.0.attention.{x}.weight" for x in "kqv"]
+    reason = stores[True].entries["token_embedding.weight"].reason
+    assert "what reads a looked-up row in the first layer" in reason
+    assert ("compensated on the calibration inputs" in reason) == tied
+    assert "first layer" not in stores[False].entries["token_embedding.weight"].reason
+    assert ("GPTQ" in stores[False].entries["token_embedding.weight"].reason) == tied
+    codes = stores[True].entries["token_embedding.weight"].kind.suffixes[0]
+    assert not np.array_equal(*(np.array(s.load_part("token_embedding.weight", codes)) for s in stores.values()))
+    model, _ = squishlike.load(stores[True].path)
+    assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3]])))).item()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"gptq_embedding": "yes"}, "gptq_embedding='yes' is not True or False"),
+    ({"gptq_tied_lookup": True, "gptq": False}, "gptq_tied_lookup=True is a GPTQ of the embedding, and GPTQ is off"),
+])
+def test_bad_lookup_options_are_refused_before_anything_is_written(tmp_path, tokenizer_dir, options, message):
+    src = make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir)
+    with pytest.raises(ValueError, match=message):
+        squishlike.compress(src, tmp_path / "out", scheme="int4", **options)
+    assert not (tmp_path / "out").exists()
