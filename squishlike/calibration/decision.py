@@ -93,10 +93,9 @@ class Plan:
         group, _, experts = self.inputs[name]
         if experts is not None:
             return GPTQ_EXPERTS_REASON
-        if group in GPTQ_REASONS:
-            return GPTQ_REASONS[group]
         errors = self.record.get("scale_refit", {}).get("tensors", {}).get(name)
-        return GPTQ_REASON + (REFIT_REASON if errors and errors["refit"] < errors["gptq"] else "")
+        return GPTQ_REASONS.get(group, GPTQ_REASON) + (REFIT_REASON if errors and errors["refit"] < errors["gptq"]
+                                                        else "")
 
     def compensates(self, name: str, scheme: str) -> bool:
         """Whether `quantize` GPTQs `name` at `scheme` (it has the inputs and the quantizer of that scheme)."""

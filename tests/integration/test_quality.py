@@ -241,7 +241,9 @@ def test_awq_store_is_plain_and_identical_in_every_tier(loud_llama, tmp_path, fm
     for tier in (native, "mlx", "finalized", "cold"):
         assert_same_weights(cold, squishlike.load(out, tier=tier)[0])
     reference, _ = squishlike.load(loud_llama)
-    assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) > 0.9  # still the same model, roughly
+    # still the same model, roughly: on this random model the 4-bit store's logits have cosine 0.84-0.94 to the
+    # source's by seed (0.89 and 0.90 at seed 0 with the embedding GPTQ'd and not); a wrong tier gives about 0
+    assert cosine(logits(cold, TOKENS), logits(reference, TOKENS)) > 0.8
 
 
 @pytest.mark.parametrize("fmt,scheme,kept,options", [
