@@ -5,6 +5,7 @@ compress writes the same store, and bad values of the options are refused before
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,25 @@ def test_the_same_compress_writes_the_same_store(stores, tmp_path):
     for name, entry in distilled.entries.items():
         for suffix in entry.kind.suffixes:
             assert np.array_equal(again.load_part(name, suffix), distilled.load_part(name, suffix)), (name, suffix)
+
+
+def test_a_compress_killed_while_it_writes_the_trained_grid_publishes_nothing_and_starts_over(stores, tmp_path):
+    """Killed (SIGKILL) after two of the store's packs hold the trained grid and before the manifest records it:
+    nothing is published, and the same command starts over and writes the store a run never killed writes."""
+    source, _, distilled = stores
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "squishlike", "compress", str(source), "-o", str(out), "--scheme", "int4",
+               "--bits", "*=3", "--calibration-tokens", "512", "--distill-steps", "8", "--distill-rate", "1e-4"]
+    env = dict(os.environ, SQUISHLIKE_OPENBLAS="0")
+    killed = subprocess.run(command, env={**env, "SQUISHLIKE_FAULT_AT": "renamed:pack-00001.safetensors"},
+                            capture_output=True, text=True, timeout=180)
+    assert killed.returncode == -9, killed.stderr
+    assert not out.exists()
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "starting over" in again.stderr
+    store = NpyDir(out)
+    assert store.manifest.packs == distilled.manifest.packs  # every byte of every pack, by its hashes
 
 
 @pytest.mark.parametrize("options,message", [
