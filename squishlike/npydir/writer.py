@@ -143,7 +143,9 @@ class NpyDirWriter:
         if (odd := plain_tree(path)) is not None:
             raise JournalError(odd, "is not a regular file or directory: the directory is not a writer's")
         if not os.path.lexists(journal):
-            raise JournalError(journal, "is missing: the writer never reached a checkpoint")
+            raise JournalError(journal, "is gone: the store was written whole, not published (killed while it was "
+                                        "distilled or gated)" if os.path.lexists(path / MANIFEST)
+                               else "is missing: the writer never reached a checkpoint")
         try:
             raw = read_json_object(journal, path)
         except FormatError as e:
