@@ -94,6 +94,20 @@ def test_a_compress_killed_while_it_writes_the_trained_grid_publishes_nothing_an
     assert store.manifest.packs == distilled.manifest.packs  # every byte of every pack, by its hashes
 
 
+def test_a_second_size_copies_no_part_of_a_distilled_store(tmp_path, tiny_llama, capfd):
+    """A `sensitivity_from` store's parts are copied only where this compress would round the same ones: a
+    distilled store's grid was trained afterwards, so none are, whether this compress distills or not."""
+    distilled = squishlike.compress(tiny_llama, tmp_path / "distilled", bpw=4.5, calibration_max_tokens=512,
+                                    **DISTILL)
+    for steps in (0, 2):
+        capfd.readouterr()
+        out = squishlike.compress(tiny_llama, tmp_path / f"again-{steps}", bpw=5.5, sensitivity_from=distilled,
+                                  calibration_max_tokens=512, distill_steps=steps)
+        copied = next(line for line in capfd.readouterr().err.splitlines() if "tensors keep the width" in line)
+        assert copied.split()[1] == "0"
+        assert ("distill" in NpyDir(out).manifest.extra) == bool(steps)
+
+
 @pytest.mark.parametrize("options,message", [
     ({"distill_steps": -1}, "distill_steps=-1 is not a number of steps"),
     ({"distill_steps": 4, "distill_rate": 0.0}, "distill_rate=0.0 is not a learning rate"),
