@@ -4,6 +4,7 @@ and the scheme of each tensor. Calibration reads the same rules to know what com
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,7 +163,7 @@ class CompressOptions:
             raise ValueError(f"distill_steps={self.distill_steps} trains the scales and offsets of group-wise "
                              f"tensors below 8 bits, and a {self.stored_scheme} store (scheme='int8') holds none; "
                              "use scheme='int4' or 'int3', bits= rules, or bpw=")
-        if self.distill_steps and (self.calibration_max_tokens or 2 * DISTILL_SAMPLE_TOKENS) < 2 * DISTILL_SAMPLE_TOKENS:
+        if self.distill_steps and (self.calibration_max_tokens or math.inf) < 2 * DISTILL_SAMPLE_TOKENS:
             raise ValueError(f"distill_steps={self.distill_steps} needs two samples of {DISTILL_SAMPLE_TOKENS} "
                              f"calibration tokens (one held out); calibration_max_tokens={self.calibration_max_tokens}"
                              " gives fewer")
