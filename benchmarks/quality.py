@@ -111,7 +111,10 @@ BPW_ROWS = [(BPW_MEASURED, "npydir", {"bpw": 4.5}),
             *((f"squishlike --bpw {t:g}", "npydir", {"bpw": t, "sensitivity_from": BPW_MEASURED})
               for t in (2.5, 3, 3.5, 4, 5, 6, 8)),
             *((f"squishlike --bpw {t:g} + scale refit", "npydir",
-               {"bpw": t, "sensitivity_from": BPW_MEASURED, "refit_scales": True}) for t in (3, 3.5, 4.5))]
+               {"bpw": t, "sensitivity_from": BPW_MEASURED, "refit_scales": True}) for t in (3, 3.5, 4.5)),
+            # issue 43: the written store's scales and offsets distilled end to end (docs/design.md §7.7)
+            *((f"squishlike --bpw {t:g} --distill-steps 32", "npydir",
+               {"bpw": t, "sensitivity_from": BPW_MEASURED, "distill_steps": 32}) for t in (3, 3.5))]
 # Issue 43's rotations (compress --rotate hadamard): the same rows with the source rotated first, the --bpw ones
 # planned from their own measured row (sensitivities measured on the rotated weights)
 ROTATED = {"rotate": "hadamard"}
@@ -299,41 +302,19 @@ def _dwq(model, config: dict, tokens: list[int], bits: int, group_size: int):
     import copy
 
     import mlx.core as mx
-    import mlx.nn as nn
     import mlx.optimizers as optimizers
     import numpy as np
     from mlx_lm.quant.dwq import dwq_quantize
     from mlx_lm.utils import quantize_model
 
-    def dense(layer) -> mx.array:
-        return mx.dequantize(layer["weight"], layer["scales"], layer["biases"], group_size=layer.group_size,
-                             bits=layer.bits)
-
-    class DenseLinear(nn.QuantizedLinear):
-        def __call__(self, x):
-            y = x @ dense(self).T
-            return y + self["bias"] if "bias" in self else y
-
-    class DenseEmbedding(nn.QuantizedEmbedding):
-        def as_linear(self, x):
-            return x @ dense(self).T
+    from squishlike.calibration.distill import cached_targets, dense_products
 
     model.set_dtype(mx.float32)
     samples = [(row.tolist(), 0) for row in np.array(sequences(tokens, DWQ_LENGTH))]
     student = copy.deepcopy(model)
     _, config = quantize_model(student, config, group_size=group_size, bits=bits)
-    swapped = {nn.QuantizedLinear: DenseLinear, nn.QuantizedEmbedding: DenseEmbedding}
-    layers = [m for _, m in student.named_modules() if type(m) in swapped]
-    for layer in layers:
-        layer.__class__ = swapped[type(layer)]
-    teacher: dict[bytes, mx.array] = {}
-
-    def targets(batch, _, split):
-        key = np.array(batch).tobytes()
-        if key not in teacher:
-            teacher[key] = mx.stop_gradient(model(batch))
-            mx.eval(teacher[key])
-        return teacher[key]
+    layers = dense_products(student)
+    targets = cached_targets(model)
 
     dwq_quantize(student, targets, optimizers.Adam(learning_rate=DWQ_RATE, bias_correction=True),
                  samples * DWQ_EPOCHS, samples[:1], batch_size=1, max_seq_length=DWQ_LENGTH + 1, seed=0,
@@ -507,7 +488,8 @@ def family(row: dict) -> str | None:
     if kind == "npydir" and "bpw" in options:
         if "rotate" in options:
             return f"squishlike --bpw --rotate {options['rotate']}"
-        return "squishlike --bpw" + (", scale refit" if options.get("refit_scales") else "")
+        return "squishlike --bpw" + (", scale refit" if options.get("refit_scales") else "") + (
+            ", distilled" if options.get("distill_steps") else "")
     if kind == "mlx_lm" and "quant_predicate" in options:
         return "mlx_lm mixed recipes"
     if kind == "mlx_lm" and "q_bits" in options:
@@ -518,6 +500,7 @@ def family(row: dict) -> str | None:
 
 
 FAMILY_COLOURS = {"squishlike --bpw": "#1f77b4", "squishlike --bpw, scale refit": "#e377c2",
+                  "squishlike --bpw, distilled": "#17becf",
                   "squishlike --bpw --rotate hadamard": "#9467bd", "squishlike --bpw --rotate heads": "#8c564b",
                   "mlx_lm uniform g64": "#d62728", "mlx_lm mixed recipes": "#ff7f0e", "mlx_lm dynamic_quant": "#2ca02c"}
 

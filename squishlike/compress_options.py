@@ -4,6 +4,7 @@ and the scheme of each tensor. Calibration reads the same rules to know what com
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ BPW_RANGE = (2.0, 16.0)
 # The rotations compress offers (calibration/rotate.py), fused into the weights before anything is measured or
 # rounded: none, random Hadamards of the residual stream and of each head's values, or of each head's values alone
 ROTATIONS = ("none", "hadamard", "heads")
+DISTILL_SAMPLE_TOKENS = 128  # tokens of one distillation sample (calibration/distill.py): one a step, one held out
 
 
 @dataclass
@@ -76,6 +78,10 @@ class CompressOptions:
     bpw: float | None = None
     sensitivity_from: str | None = None  # a store of the same source whose measured sensitivities plan this one
     rotate: str = "none"  # one of ROTATIONS: the source rotated first (calibration/rotate.py), the store plain layers
+    # The written store's scales and offsets (widths below 8 bits) trained end to end against the float model's
+    # logits on the calibration text, codes frozen (calibration/distill.py): Adam steps, one sample each, and its rate
+    distill_steps: int = 0
+    distill_rate: float = 6e-5
 
     def __post_init__(self) -> None:
         self.passthrough = tuple(self.passthrough)
@@ -143,9 +149,24 @@ class CompressOptions:
                              f"{', '.join(ROTATIONS)}")
         if self.calibration_samples < 1:
             raise ValueError(f"calibration_samples={self.calibration_samples} must be at least 1")
+        self._validate_distill()
         unknown = sorted(set(self.tiers or ()) - set(ALL_TIERS))
         if unknown:
             raise ValueError(f"tiers= names unknown tier(s) {', '.join(unknown)}; choose from {', '.join(ALL_TIERS)}")
+
+    def _validate_distill(self) -> None:
+        if type(self.distill_steps) is not int or self.distill_steps < 0:
+            raise ValueError(f"distill_steps={self.distill_steps!r} is not a number of steps (an integer >= 0)")
+        if not isinstance(self.distill_rate, (int, float)) or not self.distill_rate > 0:
+            raise ValueError(f"distill_rate={self.distill_rate!r} is not a learning rate (a number > 0)")
+        if self.distill_steps and self.scheme == "int8" and not self.bits:  # INT8 tensors are not trained
+            raise ValueError(f"distill_steps={self.distill_steps} trains the scales and offsets of group-wise "
+                             f"tensors below 8 bits, and a {self.stored_scheme} store (scheme='int8') holds none; "
+                             "use scheme='int4' or 'int3', bits= rules, or bpw=")
+        if self.distill_steps and (self.calibration_max_tokens or math.inf) < 2 * DISTILL_SAMPLE_TOKENS:
+            raise ValueError(f"distill_steps={self.distill_steps} needs two samples of {DISTILL_SAMPLE_TOKENS} "
+                             f"calibration tokens (one held out); calibration_max_tokens={self.calibration_max_tokens}"
+                             " gives fewer")
 
     def _validate_bpw(self) -> None:
         if not BPW_RANGE[0] <= self.bpw <= BPW_RANGE[1]:

@@ -93,6 +93,8 @@ def compress(
     bpw: float | None = None,
     sensitivity_from: str | Path | None = None,
     rotate: str = "none",
+    distill_steps: int = 0,
+    distill_rate: float = 6e-5,
     format: str | None = None,
 ) -> Path:
     """Compress `src` (HF dir, MLX dir, GGUF file, Ollama model, cached HF repo id) into the npy-dir `out`.
@@ -154,6 +156,11 @@ def compress(
       which a bpw target pays for); "heads" rotates each head's values alone (a tied head stays tied). Where a
       family's layers do not commute with it, the part that does not is skipped and the manifest's "rotation" says
       why. "none" (default) leaves the source as it is.
+    - distill_steps: once the store is written, train its scales and offsets of widths below 8 bits, codes kept,
+      for this many Adam steps on the KL to the float model's logits over the calibration text (mlx_lm's DWQ, one
+      sample of 128 tokens a step), written back in the store's dtype. Its cost: a forward and backward pass of
+      the whole model a step (docs/design.md §7.7). Group-wise stores only. 0 (default): off.
+    - distill_rate: the learning rate of those steps.
     - format: the old name of `scheme`, still accepted with a DeprecationWarning ("format" names file formats).
 
     Raises ValueError for an invalid option value, UnknownOptionError for an option compress does not take,
@@ -188,6 +195,8 @@ def compress(
         bpw=bpw,
         sensitivity_from=None if sensitivity_from is None else str(sensitivity_from),
         rotate=rotate,
+        distill_steps=distill_steps,
+        distill_rate=distill_rate,
     )
     return compress_with_report(src, out, opts).path
 
@@ -208,6 +217,10 @@ def compress_with_report(src: str | Path, out: str | Path, opts: CompressOptions
             try:
                 with _rotated(provider, out, opts) as (source, written_opts):
                     writer, plan = _write_store(source, tmp, out, written_opts, key, origin=provider)
+                    if opts.distill_steps:  # before the gate, which measures the store as it is published
+                        from .calibration.distill import distill_store
+
+                        distill_store(writer, provider, written_opts)
                     if opts.scheme == "int3":
                         _gate_int3(source, writer, out, written_opts, plan)
                 resume.finish(tmp, writer.manifest)

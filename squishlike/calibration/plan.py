@@ -487,6 +487,7 @@ class Calibrator:
         if not (m.clip_search == self.opts.clip_search and m.runtime_dtype == self.plan.runtime
                 and ("awq" in m.extra) == bool(self.opts.awq) and ("gptq" in m.extra) == bool(self.opts.gptq)
                 and ("scale_refit" in m.extra) == self.opts.refit_scales
+                and "distill" not in m.extra  # its grid trained on the whole model: not what is rounded here
                 and (not self.opts.gptq or {k: m.extra["gptq"].get("lookup", {}).get(k) for k in ("embedding", "tied")}
                      == {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup})
                 and {k: m.extra.get("calibration", {}).get(k) for k in calibration} == calibration):

@@ -107,13 +107,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "architecture (a tied head gets its own copy, which --bpw pays for); 'heads' rotates each head's "
                        "values alone and keeps a tied head tied. Skipped, with the reason in the manifest, where a "
                        "family's layers do not commute with it (default: none)")
+    calib.add_argument("--distill-steps", type=int, default=0, metavar="N",
+                       help="once the store is written, train its scales and offsets (widths below 8 bits; codes "
+                       "kept) for N steps against the float model's logits on the calibration text (mlx_lm's DWQ, "
+                       "one sample of 128 tokens a step); the stored form stays plain. Its cost: one forward and "
+                       "backward pass of the whole model in float32 a step (SmolLM2: about 8-16 s a step on 2 "
+                       "cores; docs/design.md §7.7). Group-wise stores only (int4, int3, --bpw, --bits) "
+                       "(default: 0, off)")
+    calib.add_argument("--distill-rate", type=float, default=6e-5, metavar="R",
+                       help="with --distill-steps: Adam's learning rate (default: %(default)s)")
     calib.add_argument("--int3-max-ppl-increase", type=float, default=0.08, metavar="F",
                        help="INT3 accuracy gate: the store is written only if calibration perplexity rises by at "
                        "most F (a fraction: 0.08 is +8%%)")
     calib.add_argument("--calibration-tokens", dest="calibration_max_tokens", type=int, default=None, metavar="N",
                        help="use only the first N tokens of the calibration text (default: all)")
     # Decided once every option is parsed: a compress that runs the model in float32 restarts with OpenBLAS preloaded.
-    parser.set_defaults(fast_blas=lambda args: _options(args).calibrates or args.rotate != "none")
+    parser.set_defaults(fast_blas=lambda args: _options(args).calibrates or args.rotate != "none"
+                                                  or args.distill_steps > 0)
 
 
 def _options(args: argparse.Namespace):

@@ -18,6 +18,7 @@ never holds one.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -142,7 +143,9 @@ class NpyDirWriter:
         if (odd := plain_tree(path)) is not None:
             raise JournalError(odd, "is not a regular file or directory: the directory is not a writer's")
         if not os.path.lexists(journal):
-            raise JournalError(journal, "is missing: the writer never reached a checkpoint")
+            raise JournalError(journal, "is gone: the store was written whole, not published (killed while it was "
+                                        "distilled or gated)" if os.path.lexists(path / MANIFEST)
+                               else "is missing: the writer never reached a checkpoint")
         try:
             raw = read_json_object(journal, path)
         except FormatError as e:
@@ -200,6 +203,34 @@ class NpyDirWriter:
         with contextlib.suppress(FileNotFoundError):
             (self.path / JOURNAL).unlink()
         return self.manifest
+
+    def rewrite_parts(self, values: dict[str, dict[str, np.ndarray]], extra: dict[str, Any]) -> None:
+        """Give parts of the written store new values (`values`: tensor -> suffix -> array, of the dtype and shape
+        its entry demands, so no part moves) and record `extra` in its manifest: each pack holding one is written
+        again whole, through the same path as when it was first written, its untouched parts copied, then the
+        manifest with the packs' new records. For a store not published yet (compress's distillation)."""
+        if self.manifest is None:
+            raise RuntimeError(f"{self.path}: parts are rewritten in a store whose manifest is not written yet")
+        for rel, parts in self.manifest.pack_parts().items():
+            if not any(suffix in values.get(name, {}) for name, suffix in parts):
+                continue
+            with open_regular(self.path / rel, self.path) as f:
+                raw = f.read()
+            tensors = []
+            for name, suffix in parts:  # in the order of their offsets: the layout they were written in
+                entry = self.tensors[name]
+                dtype, shape = entry.part_spec(suffix)
+                data = values.get(name, {}).get(suffix)
+                if data is None:
+                    data = np.frombuffer(raw, dtype, math.prod(shape), entry.files[suffix].offset).reshape(shape)
+                elif data.dtype != dtype or data.shape != tuple(shape):
+                    raise ValueError(f"{self.path}: {name} part {suffix} is {data.dtype}{list(data.shape)}; its "
+                                     f"scheme stores {dtype}{list(shape)}")
+                tensors.append(Tensor(entry.part_name(suffix), data.dtype.name, data.shape, data))
+            self.packs[rel] = FileRecord.from_json(write_safetensors(self.path / rel, tensors, align=alignment()))
+        check_packs(self.tensors, self.packs)  # every part where the manifest records it
+        self.manifest.extra.update(extra)
+        self._write()
 
     def record_int3_gate(self, record: dict[str, Any]) -> None:
         """Record the INT3 accuracy gate's verdict in the written manifest (docs/format.md §6.4)."""
