@@ -78,18 +78,26 @@ def methods(store: Path) -> dict[str, int]:
 
 
 def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options: dict | None = None) -> dict:
+    src = build_source(model_type, work / f"{model_type}-{seed}", tokenizer, seed)
+    row = measure_source({"type": model_type, "seed": seed}, src, work, options)
+    shutil.rmtree(src, ignore_errors=True)
+    return row
+
+
+def measure_source(row: dict, src: Path, work: Path, options: dict | None = None) -> dict:
+    """The three stores of `src` (an MLX directory), each scored against it; `row` names the model."""
     import mlx_lm
 
     import squishlike
     from benchmarks.quality import tensor_bytes
     from squishlike import evaluation as ev
 
-    src = build_source(model_type, work / f"{model_type}-{seed}", tokenizer, seed)
     reference, tok = ev.load_float32(src)
     windows = ev.token_windows(tok, ev.load_text("eval_prose"), max_tokens=1024)
     cache = ev.ReferenceCache(reference, windows)
     del reference
-    row: dict = {"type": model_type, "seed": seed, **({"options": options} if options else {})}
+    row = {**row, **({"options": options} if options else {})}
+    slug = f"{row['type']}-{row['seed']}"
     builders = {
         "squishlike": lambda out: squishlike.compress(src, out, scheme="int4", **(options or {})),
         "mlx_lm_gptq": lambda out: mlx_lm_gptq(src, out),
@@ -97,7 +105,7 @@ def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options
                                                 dtype="bfloat16"),
     }
     for name, build in builders.items():
-        out = work / f"{model_type}-{seed}-{name}"
+        out = work / f"{slug}-{name}"
         try:
             started = time.perf_counter()
             build(out)
@@ -112,7 +120,6 @@ def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options
             row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
             traceback.print_exc(file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(src, ignore_errors=True)
     ours, theirs = row["squishlike"], row["mlx_lm_gptq"]
     if "kl" in ours and "kl" in theirs:
         row["kl_ratio"] = round(ours["kl"] / theirs["kl"], 3)
@@ -147,6 +154,7 @@ def by_type(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.loadbench.models import build_bf16_source
     from tests.support.arch_sweep import DEFAULT, GENERATED, HAND
     from tests.support.tiny_models import make_tokenizer
 
@@ -159,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                         "geometric mean per type is printed too")
     parser.add_argument("--options", type=json.loads, default={},
                         help='compress options beside scheme="int4", as JSON, e.g. \'{"clip_search": false}\'')
+    parser.add_argument("--source", type=Path, action="append", default=[],
+                        help="a real model instead of the random ones (any model squishlike reads: a GGUF file, an "
+                        "HF or MLX directory), taken as bfloat16; repeatable; with it, --types is ignored")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here, and the table beside it (.md)")
     args = parser.parse_args(argv)
     types = {"default": [*DEFAULT, *EXTRA], "all": sorted({*HAND, *GENERATED})}.get(args.types,
@@ -167,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        for source in args.source:
+            print(f"== {source}", file=sys.stderr, flush=True)
+            src = build_bf16_source(source, work / f"{source.stem}-bf16")
+            rows.append(measure_source({"type": source.stem, "seed": 0}, src, work, args.options))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         tokenizer = make_tokenizer(work / "tokenizer")
-        for model_type in types:
+        for model_type in types if not args.source else []:
             for seed in seeds:
                 print(f"== {model_type} seed {seed}", file=sys.stderr, flush=True)
                 rows.append(measure(model_type, work, tokenizer, seed, args.options))

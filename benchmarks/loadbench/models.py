@@ -149,19 +149,26 @@ def _small_tokenizer(dest: Path) -> None:
 
 def build_smollm_source(dest: Path) -> Path:
     """The embedded SmolLM2-135M (GGUF) as an MLX directory in bfloat16, its release dtype: mlx_lm.load's input."""
+    from squishlike.default_model import default_model_path
+
+    return build_bf16_source(default_model_path(), dest)
+
+
+def build_bf16_source(model: Path | str, dest: Path) -> Path:
+    """Any model squishlike reads (a GGUF file above all) as an MLX directory in bfloat16: what mlx_lm.load,
+    `mlx_lm.convert` and mlx_lm's GPTQ take, so that every method quantizes the same values."""
     dest = Path(dest)
     if _built(dest):
         return dest
     import mlx.core as mx
 
     import squishlike
-    from squishlike.default_model import default_model_path
 
     with _build_into(dest) as tmp:
-        squishlike.export(default_model_path(), "mlx", tmp)
+        squishlike.export(model, "mlx", tmp)
         for f in sorted(tmp.glob("model*.safetensors")):
             weights, metadata = mx.load(str(f), return_metadata=True)
-            if any(v.dtype == mx.float32 for v in weights.values()):  # the GGUF dequantizes to float32
+            if any(v.dtype == mx.float32 for v in weights.values()):  # a GGUF dequantizes to float32
                 weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
                 mx.save_safetensors(str(f), weights, metadata=metadata or {"format": "mlx"})
             del weights
