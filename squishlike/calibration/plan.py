@@ -283,6 +283,7 @@ class Calibrator:
             transform, report = search_awq(groups, calib, self.source.weight, self.source.quantizer_for)
             self.plan.transform.col.update(transform.col)
             self.plan.transform.row.update(transform.row)
+            self.plan.transform.offset.update(transform.offset)  # Gemma's norms scale by 1 + w
             self.awq.update(report)
 
     def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration, group: str | None = None) -> None:
