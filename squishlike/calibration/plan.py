@@ -116,6 +116,7 @@ class Calibrator:
         self.expert_stacks: set[str] = set()  # the expert stacks GPTQ'd expert by expert
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
+        self._first_loaded = False  # block 0 was read for the embedding's lookup and left loaded (`_lookup`)
         self.plan.record["calibration"] = {
             "text": "calibration",
             "tokens": positions(self.windows),
@@ -165,7 +166,8 @@ class Calibrator:
                 self._stop(str(e))
         elif k == len(self.runner) + 1:
             self._tail(self.runner)
-        if k == 0 and self.opts.gptq_embedding and not self._tied() and (rows := self._lookup(self.runner)) is not None:
+        if k == 0 and self.opts.gptq_embedding and not self._tied() \
+                and (rows := self._lookup(self.runner, keep=True)) is not None:
             self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
 
     def done(self, k: int) -> None:
@@ -249,7 +251,8 @@ class Calibrator:
     def _block(self, runner: BlockRunner, i: int) -> None:
         """Run block `i`; put its AWQ scales and its linears' GPTQ inputs in the plan; its outputs become the next
         block's inputs."""
-        runner.load(i)
+        if not (i == 0 and self._first_loaded):
+            runner.load(i)
         groups = self._block_groups(runner, i)
         compensated = self._input_groups(runner, i, groups) if self.opts.gptq else []
         recorded = [*groups, *(g for g in compensated if g not in groups)]
@@ -305,12 +308,19 @@ class Calibrator:
     def _tied(self) -> bool:
         return self.head is not None and self.embedding in self.head.members
 
-    def _lookup(self, runner: BlockRunner) -> np.ndarray | None:
+    def _lookup(self, runner: BlockRunner, keep: bool = False) -> np.ndarray | None:
         """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py), its readers to the
-        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so."""
+        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so.
+        Block 0 is read for it and dropped again; with `keep`, left loaded for its own unit, which then runs it
+        without reading it again."""
         if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
             return None
+        runner.load(0)
         rows, self.plan.record["gptq_lookup"] = lookup_rows(runner, self.canonical)
+        if keep:
+            self._first_loaded = True
+        else:
+            runner.release(0)
         return rows
 
     def _gptq_quantizer(self, name: str) -> Quantizer | None:
