@@ -114,6 +114,7 @@ class Calibrator:
         self.gptq_tensors: set[str] = set()
         self.gptq_left_out: dict[str, str] = {}  # linear -> why GPTQ could not take it
         self.expert_stacks: set[str] = set()  # the expert stacks GPTQ'd expert by expert
+        self.lookup: dict[str, Any] = {}  # the embedding's lookup readers, or why none (`_lookup`)
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
         self._first_loaded = False  # block 0 was read for the embedding's lookup and left loaded (`_lookup`)
@@ -184,7 +185,7 @@ class Calibrator:
         arrays.update({f"offset.{name}": np.array(v) for name, v in self.plan.transform.offset.items()})
         return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
                 "expert_stacks": sorted(self.expert_stacks), "gptq_left_out": self.gptq_left_out,
-                "awq_no_fold": self.awq_no_fold,
+                "awq_no_fold": self.awq_no_fold, "lookup": self.lookup,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl}, arrays
 
@@ -198,7 +199,7 @@ class Calibrator:
                 or not isinstance(group_sizes, dict) or not isinstance(state.get("gptq_tensors"), list) \
                 or not isinstance(state.get("stopped"), (str, type(None))) \
                 or not isinstance(state.get("reference_ppl"), (int, float, type(None))) \
-                or not all(isinstance(state.get(k, {}), dict) for k in ("gptq_left_out", "awq_no_fold")) \
+                or not all(isinstance(state.get(k, {}), dict) for k in ("gptq_left_out", "awq_no_fold", "lookup")) \
                 or not all(isinstance(n, str) for n in state.get("expert_stacks", [])):
             problem = "is not a saved calibration state"
         elif bad := [s for s in promote.values() if not isinstance(s, str) or s not in SCHEMES]:
@@ -221,7 +222,7 @@ class Calibrator:
         self.plan.group_sizes = group_sizes  # a checkpoint from before group sizes were planned has none
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
         self.expert_stacks, self.gptq_left_out = set(state.get("expert_stacks", ())), state.get("gptq_left_out", {})
-        self.awq_no_fold = state.get("awq_no_fold", {})
+        self.awq_no_fold, self.lookup = state.get("awq_no_fold", {}), state.get("lookup", {})
         self.plan.reference_ppl = state["reference_ppl"]
         for key, value in arrays.items():
             kind, _, name = key.partition(".")
@@ -316,7 +317,7 @@ class Calibrator:
         if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
             return None
         runner.load(0)
-        rows, self.plan.record["gptq_lookup"] = lookup_rows(runner, self.canonical)
+        rows, self.lookup = lookup_rows(runner, self.canonical)
         if keep:
             self._first_loaded = True
         else:
@@ -532,7 +533,7 @@ class Calibrator:
 
     def manifest(self) -> dict[str, Any]:
         """The manifest keys calibration adds: what it measured and applied."""
-        record = {k: v for k, v in self.plan.record.items() if k not in ("awq_from_first_pass", "gptq_lookup")}
+        record = {k: v for k, v in self.plan.record.items() if k != "awq_from_first_pass"}
         if self.opts.awq:
             record["awq"] = self._awq_record()
         if self.opts.gptq:
@@ -545,7 +546,7 @@ class Calibrator:
                 "samples": int(sum(len(p) for p in self.every)),
                 "left_out": dict(sorted(self.gptq_left_out.items())),
                 "lookup": {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup,
-                           **self.plan.record.get("gptq_lookup", {})},
+                           **self.lookup},
             }
             if self.expert_stacks:
                 record["gptq"]["experts"] = {
