@@ -10,18 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
+from ..compress_options import CompressOptions, runtime_dtype
 from ..config import load_config
 from ..errors import BudgetError, FormatError, UnsupportedArchitectureError
 from ..io.checksum import check_files
 from ..npydir import MANIFEST, NpyDir, TensorEntry, source_fingerprint
-from ..model import model_tokenizer, new_model, parameter_shapes
+from ..model import model_tokenizer, new_model
 from ..provider import WeightProvider
-from ..dtypes import NP_STORAGE
-from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
+from ..quant.schemes import SCHEMES, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
 from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
@@ -31,52 +29,9 @@ from .lookup import lookup_rows, normalised
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
+from .source import PLAN_GROUP_SIZES, SourceWeights
 from .stats import (Calibration, calibration_windows, log, positions, record, record_head, sample_positions,
                     thinned)
-
-
-PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
-
-
-class _SourceWeights:
-    """The source model's weights as calibration reads them, and the quantizer the store will use for each."""
-
-    def __init__(self, provider: WeightProvider, model: nn.Module, opts: CompressOptions, runtime: str):
-        self.provider, self.opts = provider, opts
-        self.shapes = parameter_shapes(model)  # of the unevaluated model: no memory
-        self.kinds = weight_kinds(provider, model)
-        self.runtime = runtime
-        self.base = Quantizer(opts.stored_scheme, opts.groups, runtime, opts.clip_search)
-        self.high = Quantizer("int8" if opts.scheme != "int8" else "passthrough", opts.groups, runtime)
-        # What a bits-per-weight target chooses among: each width at each group size (those that split a
-        # tensor's rows, `fitting`), and exact
-        self.widths = (*(Quantizer(WIDTHS[b], g, runtime, opts.clip_search) for b in WIDTHS for g in PLAN_GROUP_SIZES),
-                       Quantizer("passthrough", 0, runtime))
-
-    def weight(self, name: str) -> np.ndarray:
-        array = self.provider.get(name)
-        return np.array(array.astype(mx.float32))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[self.provider.mlx_name(name)]
-
-    def quantizer_for(self, name: str) -> Quantizer | None:
-        """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
-        if scheme != self.opts.stored_scheme:
-            return None
-        group_size = self.opts.group_for(name)  # a `bits` rule may keep the scheme at another group size
-        return self.base if group_size == self.base.group_size else Quantizer(scheme, group_size, self.runtime,
-                                                                              self.opts.clip_search)
-
-    def stored_bytes(self, name: str, dtype: str) -> int:
-        """The bytes `name` takes in the store by compress's rules alone (no width planned for it); `dtype`: the
-        dtype its values come in."""
-        shape = self.shape(name)
-        scheme, _ = choose_scheme(name, shape, self.opts, self.kinds.get(name))
-        if scheme != "passthrough":
-            return Quantizer(scheme, self.opts.group_for(name), self.runtime).nbytes(*rows_cols(shape))
-        return math.prod(shape) * np.dtype(NP_STORAGE.get(dtype, NP_STORAGE[self.runtime])).itemsize
 
 
 class Calibrator:
@@ -103,7 +58,7 @@ class Calibrator:
         # SmolLM2's 2,311 by default, fewer than a down projection's 1,536 columns) GPTQ fits the few rows and
         # loses more at 2 and 3 bits than it saves (docs/design.md §7.4)
         self.every = sample_positions(self.windows, positions(self.windows))
-        self.source = _SourceWeights(provider, self.model, opts, self.plan.runtime)
+        self.source = SourceWeights(provider, self.model, opts, self.plan.runtime)
         self._awq_groups: dict[int, list[ScaleGroup]] = {}  # block -> its AWQ groups (`_block_groups`)
         self._verified_folds: dict = {}  # awq.fold_groups' verdicts, per block structure
         self.awq_no_fold: dict[str, str] = {}  # reader group -> why AWQ found no exact fold for it
