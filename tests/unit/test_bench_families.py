@@ -55,9 +55,9 @@ def test_embedding_roundings_of_a_tiny_llama(tmp_path, capsys):
     windows = ev.token_windows(tokenizer, ev.load_text("eval_prose"), max_tokens=128)
     cache = ev.ReferenceCache(model, windows)
     embedding_paths(model, windows, w, {"clip search": found["clip search"], "exact": w})
-    rounded, exact = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    rounded, unrounded = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert set(rounded) == {"embedding's error only", *PATHS} and all(rounded[p] > 0 for p in PATHS)
-    assert all(exact[p] == 0 for p in PATHS)
+    assert all(unrounded[p] == 0 for p in PATHS)
     model.load_weights([("model.embed_tokens.weight", found["clip search"])], strict=False)
     assert abs(rounded["everywhere"] - ev.compare(model, cache, windows)["kl_mean"]) < 1e-4
     model.load_weights([("model.embed_tokens.weight", w)], strict=False)
