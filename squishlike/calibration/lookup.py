@@ -49,16 +49,13 @@ def lookup_readers(runner: BlockRunner) -> tuple[list[str], np.ndarray | None]:
 
 
 def lookup_rows(runner: BlockRunner, canonical: dict[str, str]) -> tuple[np.ndarray | None, dict]:
-    """`lookup_readers` of the first block (read for it, then dropped again) and the manifest's record of it:
-    {"readers": canonical weights}, or {"left_out": why} with rows None. `canonical` maps mlx names to canonical."""
+    """`lookup_readers` of the first block (loaded) and the manifest's record of it: {"readers": canonical
+    weights}, or {"left_out": why} with rows None. `canonical` maps mlx names to canonical."""
     why = "no linear of the first layer reads its input through a norm"
-    runner.load(0)
     try:
         readers, rows = lookup_readers(runner)
     except UnsupportedArchitectureError as e:
         readers, rows, why = [], None, str(e)
-    finally:
-        runner.release(0)
     return rows, {"readers": [canonical[f"{r}.weight"] for r in readers]} if readers else {"left_out": why}
 
 

@@ -10,18 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from ..compress_options import CompressOptions, choose_scheme, runtime_dtype, weight_kinds
+from ..compress_options import CompressOptions, runtime_dtype
 from ..config import load_config
 from ..errors import BudgetError, FormatError, UnsupportedArchitectureError
 from ..io.checksum import check_files
 from ..npydir import MANIFEST, NpyDir, TensorEntry, source_fingerprint
-from ..model import model_tokenizer, new_model, parameter_shapes
+from ..model import model_tokenizer, new_model
 from ..provider import WeightProvider
-from ..dtypes import NP_STORAGE
-from ..quant.schemes import SCHEMES, WIDTHS, rows_cols
+from ..quant.schemes import SCHEMES, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, add_scales, fold_groups, group_scales, search_awq
 from .blocks import BlockRunner
 from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
@@ -31,52 +29,9 @@ from .lookup import lookup_rows, normalised
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
+from .source import PLAN_GROUP_SIZES, SourceWeights
 from .stats import (Calibration, calibration_windows, log, positions, record, record_head, sample_positions,
                     thinned)
-
-
-PLAN_GROUP_SIZES = (32, 64, 128)  # the group sizes a bits-per-weight target chooses among, with each width
-
-
-class _SourceWeights:
-    """The source model's weights as calibration reads them, and the quantizer the store will use for each."""
-
-    def __init__(self, provider: WeightProvider, model: nn.Module, opts: CompressOptions, runtime: str):
-        self.provider, self.opts = provider, opts
-        self.shapes = parameter_shapes(model)  # of the unevaluated model: no memory
-        self.kinds = weight_kinds(provider, model)
-        self.runtime = runtime
-        self.base = Quantizer(opts.stored_scheme, opts.groups, runtime, opts.clip_search)
-        self.high = Quantizer("int8" if opts.scheme != "int8" else "passthrough", opts.groups, runtime)
-        # What a bits-per-weight target chooses among: each width at each group size (those that split a
-        # tensor's rows, `fitting`), and exact
-        self.widths = (*(Quantizer(WIDTHS[b], g, runtime, opts.clip_search) for b in WIDTHS for g in PLAN_GROUP_SIZES),
-                       Quantizer("passthrough", 0, runtime))
-
-    def weight(self, name: str) -> np.ndarray:
-        array = self.provider.get(name)
-        return np.array(array.astype(mx.float32))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[self.provider.mlx_name(name)]
-
-    def quantizer_for(self, name: str) -> Quantizer | None:
-        """The store's quantizer for canonical tensor `name`; None when compress will not quantize it."""
-        scheme, _ = choose_scheme(name, self.shape(name), self.opts, self.kinds.get(name))
-        if scheme != self.opts.stored_scheme:
-            return None
-        group_size = self.opts.group_for(name)  # a `bits` rule may keep the scheme at another group size
-        return self.base if group_size == self.base.group_size else Quantizer(scheme, group_size, self.runtime,
-                                                                              self.opts.clip_search)
-
-    def stored_bytes(self, name: str, dtype: str) -> int:
-        """The bytes `name` takes in the store by compress's rules alone (no width planned for it); `dtype`: the
-        dtype its values come in."""
-        shape = self.shape(name)
-        scheme, _ = choose_scheme(name, shape, self.opts, self.kinds.get(name))
-        if scheme != "passthrough":
-            return Quantizer(scheme, self.opts.group_for(name), self.runtime).nbytes(*rows_cols(shape))
-        return math.prod(shape) * np.dtype(NP_STORAGE.get(dtype, NP_STORAGE[self.runtime])).itemsize
 
 
 class Calibrator:
@@ -103,7 +58,7 @@ class Calibrator:
         # SmolLM2's 2,311 by default, fewer than a down projection's 1,536 columns) GPTQ fits the few rows and
         # loses more at 2 and 3 bits than it saves (docs/design.md §7.4)
         self.every = sample_positions(self.windows, positions(self.windows))
-        self.source = _SourceWeights(provider, self.model, opts, self.plan.runtime)
+        self.source = SourceWeights(provider, self.model, opts, self.plan.runtime)
         self._awq_groups: dict[int, list[ScaleGroup]] = {}  # block -> its AWQ groups (`_block_groups`)
         self._verified_folds: dict = {}  # awq.fold_groups' verdicts, per block structure
         self.awq_no_fold: dict[str, str] = {}  # reader group -> why AWQ found no exact fold for it
@@ -114,8 +69,10 @@ class Calibrator:
         self.gptq_tensors: set[str] = set()
         self.gptq_left_out: dict[str, str] = {}  # linear -> why GPTQ could not take it
         self.expert_stacks: set[str] = set()  # the expert stacks GPTQ'd expert by expert
+        self.lookup: dict[str, Any] = {}  # the embedding's lookup readers, or why none (`_lookup`)
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
+        self._first_loaded = False  # block 0 was read for the embedding's lookup and left loaded (`_lookup`)
         self.plan.record["calibration"] = {
             "text": "calibration",
             "tokens": positions(self.windows),
@@ -165,7 +122,8 @@ class Calibrator:
                 self._stop(str(e))
         elif k == len(self.runner) + 1:
             self._tail(self.runner)
-        if k == 0 and self.opts.gptq_embedding and not self._tied() and (rows := self._lookup(self.runner)) is not None:
+        if k == 0 and self.opts.gptq_embedding and not self._tied() \
+                and (rows := self._lookup(self.runner, keep=True)) is not None:
             self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
 
     def done(self, k: int) -> None:
@@ -182,7 +140,7 @@ class Calibrator:
         arrays.update({f"offset.{name}": np.array(v) for name, v in self.plan.transform.offset.items()})
         return {"record": self.plan.record, "awq": self.awq, "gptq_tensors": sorted(self.gptq_tensors),
                 "expert_stacks": sorted(self.expert_stacks), "gptq_left_out": self.gptq_left_out,
-                "awq_no_fold": self.awq_no_fold,
+                "awq_no_fold": self.awq_no_fold, "lookup": self.lookup,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl}, arrays
 
@@ -196,7 +154,7 @@ class Calibrator:
                 or not isinstance(group_sizes, dict) or not isinstance(state.get("gptq_tensors"), list) \
                 or not isinstance(state.get("stopped"), (str, type(None))) \
                 or not isinstance(state.get("reference_ppl"), (int, float, type(None))) \
-                or not all(isinstance(state.get(k, {}), dict) for k in ("gptq_left_out", "awq_no_fold")) \
+                or not all(isinstance(state.get(k, {}), dict) for k in ("gptq_left_out", "awq_no_fold", "lookup")) \
                 or not all(isinstance(n, str) for n in state.get("expert_stacks", [])):
             problem = "is not a saved calibration state"
         elif bad := [s for s in promote.values() if not isinstance(s, str) or s not in SCHEMES]:
@@ -219,7 +177,7 @@ class Calibrator:
         self.plan.group_sizes = group_sizes  # a checkpoint from before group sizes were planned has none
         self.gptq_tensors, self.stopped = set(state["gptq_tensors"]), state["stopped"]
         self.expert_stacks, self.gptq_left_out = set(state.get("expert_stacks", ())), state.get("gptq_left_out", {})
-        self.awq_no_fold = state.get("awq_no_fold", {})
+        self.awq_no_fold, self.lookup = state.get("awq_no_fold", {}), state.get("lookup", {})
         self.plan.reference_ppl = state["reference_ppl"]
         for key, value in arrays.items():
             kind, _, name = key.partition(".")
@@ -249,7 +207,8 @@ class Calibrator:
     def _block(self, runner: BlockRunner, i: int) -> None:
         """Run block `i`; put its AWQ scales and its linears' GPTQ inputs in the plan; its outputs become the next
         block's inputs."""
-        runner.load(i)
+        if not (i == 0 and self._first_loaded):
+            runner.load(i)
         groups = self._block_groups(runner, i)
         compensated = self._input_groups(runner, i, groups) if self.opts.gptq else []
         recorded = [*groups, *(g for g in compensated if g not in groups)]
@@ -306,12 +265,19 @@ class Calibrator:
     def _tied(self) -> bool:
         return self.head is not None and self.embedding in self.head.members
 
-    def _lookup(self, runner: BlockRunner) -> np.ndarray | None:
+    def _lookup(self, runner: BlockRunner, keep: bool = False) -> np.ndarray | None:
         """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py), its readers to the
-        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so."""
+        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so.
+        Block 0 is read for it and dropped again; with `keep`, left loaded for its own unit, which then runs it
+        without reading it again."""
         if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
             return None
-        rows, self.plan.record["gptq_lookup"] = lookup_rows(runner, self.canonical)
+        runner.load(0)
+        rows, self.lookup = lookup_rows(runner, self.canonical)
+        if keep:
+            self._first_loaded = True
+        else:
+            runner.release(0)
         return rows
 
     def _gptq_quantizer(self, name: str) -> Quantizer | None:
@@ -523,7 +489,7 @@ class Calibrator:
 
     def manifest(self) -> dict[str, Any]:
         """The manifest keys calibration adds: what it measured and applied."""
-        record = {k: v for k, v in self.plan.record.items() if k not in ("awq_from_first_pass", "gptq_lookup")}
+        record = {k: v for k, v in self.plan.record.items() if k != "awq_from_first_pass"}
         if self.opts.awq:
             record["awq"] = self._awq_record()
         if self.opts.gptq:
@@ -536,7 +502,7 @@ class Calibrator:
                 "samples": int(sum(len(p) for p in self.every)),
                 "left_out": dict(sorted(self.gptq_left_out.items())),
                 "lookup": {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup,
-                           **self.plan.record.get("gptq_lookup", {})},
+                           **self.lookup},
             }
             if self.expert_stacks:
                 record["gptq"]["experts"] = {

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         allow_abbrev=tool is None, formatter_class=HelpFormatter)
         command.add_arguments(command_parser)
         command_parser.set_defaults(run=command.run, mlx_lm_tool=tool, parser=command_parser)
-        flags[name] = {a.dest: max(a.option_strings, key=len) for a in command_parser._actions if a.option_strings}
+        # An option's longest flag; of a --x/--no-x pair, --x: what `name=True` in a message means
+        flags[name] = {a.dest: max(a.option_strings, key=lambda f: (not f.startswith("--no-"), len(f)))
+                       for a in command_parser._actions if a.option_strings}
     # A message may point to another command's option ("compress with scheme=int4"): its flags are named too.
     every_flag = {dest: flag for own in flags.values() for dest, flag in own.items()}
     for name, own in flags.items():

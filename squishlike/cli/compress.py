@@ -83,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="error-compensating rounding (GPTQ) of the linears and the output head: each rounding "
                        "error is spread onto the columns not yet rounded; the stored form stays plain (default: on "
                        "for int4)")
+    calib.add_argument("--gptq-embedding", action=argparse.BooleanOptionalAction, default=None,
+                       help="GPTQ of an untied token embedding along its width, on the Hessian of what reads a "
+                       "looked-up row in the first layer (found from the model); --no-gptq-embedding rounds it "
+                       "with the clip search instead (default: on with GPTQ; docs/design.md §7.5)")
+    calib.add_argument("--gptq-tied-lookup", action="store_true",
+                       help="a tied embedding (the output head too) is GPTQ'd on the head's calibration inputs and "
+                       "that Hessian together, so both its uses weigh (lower KL on random models of several "
+                       "families, higher on SmolLM2; docs/design.md §7.5) (default: off: the head's inputs alone)")
     calib.add_argument("--refit-scales", action="store_true",
                        help="after GPTQ (which it turns on), solve each group's scale and offset again for GPTQ's "
                        "codes, by least squares on the layer's output error over the calibration inputs; the "

@@ -4,6 +4,10 @@ The quality against mlx_lm's GPTQ, family by family, is measured by benchmarks/b
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections import Counter
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ import squishlike
 from squishlike import calibration as calibrate, quant
 from squishlike.calibration.gptq import EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
 from squishlike.calibration.linears import input_groups, vocabulary
+from squishlike.calibration.plan import Calibrator
 from squishlike.calibration.quantizer import Quantizer
 from squishlike.calibration.stats import record, record_head, sample_positions
 from squishlike.model import new_model
@@ -173,3 +178,42 @@ def test_bad_lookup_options_are_refused_before_anything_is_written(tmp_path, tok
     with pytest.raises(ValueError, match=message):
         squishlike.compress(src, tmp_path / "out", scheme="int4", **options)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_command_s_lookup_flags_reach_the_manifest(tmp_path, tokenizer_dir):
+    """`--no-gptq-embedding` and `--gptq-tied-lookup` are compress's options (a tied qwen2: the second applies, its
+    readers are found); either without GPTQ is refused, named as the flag, before anything is written."""
+    src = make_hf_model(tmp_path / "qwen2", TINY_CONFIGS["qwen2"], tokenizer_dir)
+
+    def command(*flags):
+        return subprocess.run([sys.executable, "-m", "squishlike", "compress", str(src), "-o", str(tmp_path / "out"),
+                               "--scheme", "int4", "--no-awq", "--calibration-tokens", str(CALIB_TOKENS), *flags],
+                              capture_output=True, text=True)
+
+    for flag in ("--gptq-embedding", "--gptq-tied-lookup"):
+        refused = command(flag, "--no-gptq")
+        assert refused.returncode == 2 and f"{flag} is a GPTQ of the embedding, and GPTQ is off" in refused.stderr
+        assert not (tmp_path / "out").exists()
+    done = command("--no-gptq-embedding", "--gptq-tied-lookup")
+    assert done.returncode == 0, done.stderr
+    lookup = NpyDir(tmp_path / "out").manifest.extra["gptq"]["lookup"]
+    assert {**lookup, "readers": sorted(lookup["readers"])} == {
+        "embedding": False, "tied": True, "readers": [f"layers.0.attention.{x}.weight" for x in "kqv"]}
+
+
+def test_the_first_block_is_read_once_when_the_embedding_is_gptqd(tmp_path, tokenizer_dir, monkeypatch):
+    """The embedding's lookup probes block 0 in the first unit and leaves it loaded for the second, which runs it:
+    the source's first block is read once per compress, as every other block is."""
+    src = make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir)
+    reads = Counter()
+    weights = Calibrator._weights
+
+    def counted(self, names):
+        reads.update(names)
+        return weights(self, names)
+
+    monkeypatch.setattr(Calibrator, "_weights", counted)
+    store = NpyDir(squishlike.compress(src, tmp_path / "int4", scheme="int4", calibration_max_tokens=CALIB_TOKENS))
+    assert store.manifest.extra["gptq"]["lookup"]["readers"]
+    blocks = {n: c for n, c in reads.items() if n.startswith("model.layers.")}
+    assert len(blocks) == 2 * 9 and set(blocks.values()) == {1}

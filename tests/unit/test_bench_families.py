@@ -1,8 +1,10 @@
 """The family benchmarks: each bench_families seed is another random model of the type, the per-type summary the
-geometric mean of its seeds' KL ratios; attribute_family's roundings of the input embedding."""
+geometric mean of its seeds' KL ratios; attribute_family's roundings of the input embedding and the paths that
+carry their errors."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import mlx.core as mx
@@ -34,20 +36,31 @@ def test_summary_is_the_geometric_mean_of_the_seeds():
     assert "| phi | 2.0 | 1.0 |" in table([rows[2]])  # one seed: no seed column
 
 
-def test_embedding_roundings_of_a_tiny_llama(tmp_path):
+def test_embedding_roundings_of_a_tiny_llama(tmp_path, capsys):
     """attribute_family's roundings of the input embedding are 4-bit grids in groups of 64, the clip search's
     with the least squared error of the three roundings to nearest (docs/design.md §7.5), and the GPTQ on the first
-    layer's q, k, v is offered where that layer exists."""
+    layer's q, k, v (with the identity, or the head) is offered where that layer exists. Their errors put everywhere
+    cost what the store's KL is (the paths' split: embedding_paths)."""
     from mlx.utils import tree_flatten
 
-    from benchmarks.attribute_family import embedding_roundings
-    from squishlike.evaluation import load_float32
+    from benchmarks.attribute_family import PATHS, embedding_paths, embedding_roundings
+    from squishlike import evaluation as ev
 
-    model, _ = load_float32(build_source("llama", tmp_path / "llama", make_tokenizer(tmp_path / "tokenizer")))
+    model, tokenizer = ev.load_float32(build_source("llama", tmp_path / "llama", make_tokenizer(tmp_path / "tok")))
     source = dict(tree_flatten(model.parameters()))
     w = source["model.embed_tokens.weight"]
     found = embedding_roundings(w, source, "llama")
-    assert set(found) == {"clip search", "min-max", "mx.quantize", "GPTQ on the first layer's q, k, v"}
+    assert set(found) == {"clip search", "min-max", "mx.quantize", "GPTQ on the first layer's q, k, v",
+                          "GPTQ on the first layer's q, k, v and the head"}
+    windows = ev.token_windows(tokenizer, ev.load_text("eval_prose"), max_tokens=128)
+    cache = ev.ReferenceCache(model, windows)
+    embedding_paths(model, windows, w, {"clip search": found["clip search"], "exact": w})
+    rounded, unrounded = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert set(rounded) == {"embedding's error only", *PATHS} and all(rounded[p] > 0 for p in PATHS)
+    assert all(unrounded[p] == 0 for p in PATHS)
+    model.load_weights([("model.embed_tokens.weight", found["clip search"])], strict=False)
+    assert abs(rounded["everywhere"] - ev.compare(model, cache, windows)["kl_mean"]) < 1e-4
+    model.load_weights([("model.embed_tokens.weight", w)], strict=False)
     exact = w.astype(mx.bfloat16).astype(mx.float32)
     errors = {label: mx.sum(mx.square(v - exact)).item() for label, v in found.items()}
     assert 0 < errors["clip search"] < min(errors["min-max"], errors["mx.quantize"])
