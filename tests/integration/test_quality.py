@@ -221,6 +221,36 @@ def test_awq_folds_found_from_the_model_are_exact_in_float(tmp_path, tokenizer_d
     assert norms and not np.allclose(np.array(before[norms[0]]), np.array(after[norms[0]]))  # 1/s lives there
 
 
+def test_a_gemma_store_keeps_its_norms_offset_through_the_awq_search(tmp_path, tokenizer_dir):
+    """Gemma's norms scale by 1 + w: the search's folds must carry that offset into the store. A trained Gemma's
+    norm weights are far from 0 (a real Gemma 3's 1 + w spans 0 to 150) and its activations have outlier channels,
+    so a fold taken as w / s instead of (1 + w) / s - 1 changed a real Gemma 3's function (KL 18.8); at INT8 an
+    exact fold leaves the store as close to the source as plain rounding."""
+    src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir)
+    file = src / "model.safetensors"
+    params = mx.load(str(file))
+    mx.random.seed(3)
+    for k, v in params.items():
+        if k.endswith("layernorm.weight"):  # 1 + w from 0.1 to 10, log-normal, as a trained model's
+            params[k] = mx.exp(mx.random.normal(v.shape)) - 1.0
+        elif k.endswith("embed_tokens.weight"):  # a few loud channels
+            params[k] = v * mx.where(mx.arange(v.shape[1]) % 16 == 0, 8.0, 1.0)
+    mx.save_safetensors(str(file), params, metadata={"format": "pt"})
+    with WeightProvider.open(src) as provider:
+        model, _ = float_model(provider)
+    reference = logits(model, TOKENS)
+    errors = {}
+    for awq in (True, False):
+        out = squishlike.compress(src, tmp_path / f"awq-{awq}", scheme="int8", awq=awq, gptq=False,
+                                  clip_search=False, calibration_max_tokens=CALIB_TOKENS)
+        if awq:
+            groups = json.loads((out / "manifest.json").read_text())["awq"]["groups"]
+            assert any(g["alpha"] > 0 for g in groups.values())  # the norms' folds were taken
+        store, _ = squishlike.load(out, tier="cold")
+        errors[awq] = mx.abs(logits(store, TOKENS) - reference).max().item()
+    assert errors[True] <= 2 * errors[False], errors
+
+
 @pytest.mark.parametrize("fmt,scheme,native", [("int4", "int4", "int4"), ("int8", "int8g", "int8")])
 def test_awq_store_is_plain_and_identical_in_every_tier(loud_llama, tmp_path, fmt, scheme, native):
     out = squishlike.compress(loud_llama, tmp_path / "awq", scheme=fmt, awq=True, clip_search=True,
