@@ -27,6 +27,7 @@ from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, FormatError, OutputExistsError, QuantizationError
 from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir, source_fingerprint
+from .quant.reference import from_float32
 from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
 from .provider import WeightProvider
@@ -465,6 +466,10 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     dtype = info.dtype if info else src_dtype
     entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
     if not entry.kind.quantized:
+        if plan is not None and plan.rewrites(name) and src_dtype != runtime:
+            # A folded norm or bias, rewritten in float32: held in the runtime dtype every load casts it to, as an
+            # untouched one is (float32 bytes would buy nothing but a larger store than mlx_lm's)
+            array, src_dtype = from_float32(array, runtime), runtime
         return entry, array, src_dtype, None, False
     planned = plan is not None and plan.sized(name)  # a size target chose its width and group size: they stay
     group_size = plan.group_size(name, opts.group_for(name)) if planned else opts.group_for(name)
