@@ -16,6 +16,7 @@ store's tensors got (GPTQ, GPTQ per expert, round to nearest), from its manifest
 
     python -m benchmarks.bench_families [--types llama,qwen3_moe,...|default|all] [--seeds 0,1,2]
         [--options '{"clip_search": false}'] [--out results/families.json]
+    python -m benchmarks.bench_families --source gemma3-270m     # a real model (benchmarks/real_models.py)
 
 One random model's KL is decided by the rounding of a few tensors (its input embedding above all, docs/design.md
 §7.5): `--seeds` draws several models per type and prints the ratios' geometric mean per type;
@@ -155,6 +156,7 @@ def by_type(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.loadbench.models import build_bf16_source
+    from benchmarks.real_models import model_path
     from tests.support.arch_sweep import DEFAULT, GENERATED, HAND
     from tests.support.tiny_models import make_tokenizer
 
@@ -167,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                         "geometric mean per type is printed too")
     parser.add_argument("--options", type=json.loads, default={},
                         help='compress options beside scheme="int4", as JSON, e.g. \'{"clip_search": false}\'')
-    parser.add_argument("--source", type=Path, action="append", default=[],
-                        help="a real model instead of the random ones (any model squishlike reads: a GGUF file, an "
-                        "HF or MLX directory), taken as bfloat16; repeatable; with it, --types is ignored")
+    parser.add_argument("--source", action="append", default=[],
+                        help="a real model instead of the random ones: a name of benchmarks/real_models.py "
+                        "(gemma3-270m) or any model squishlike reads (a GGUF file, an HF or MLX directory), taken as "
+                        "bfloat16; repeatable; with it, --types is ignored")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here, and the table beside it (.md)")
     args = parser.parse_args(argv)
     types = {"default": [*DEFAULT, *EXTRA], "all": sorted({*HAND, *GENERATED})}.get(args.types,
@@ -180,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for source in args.source:
             print(f"== {source}", file=sys.stderr, flush=True)
-            src = build_bf16_source(source, work / f"{source.stem}-bf16")
-            rows.append(measure_source({"type": source.stem, "seed": 0}, src, work, args.options))
+            name = Path(source).stem
+            src = build_bf16_source(model_path(source, work), work / f"{name}-bf16")
+            rows.append(measure_source({"type": name, "seed": 0}, src, work, args.options))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         tokenizer = make_tokenizer(work / "tokenizer")
         for model_type in types if not args.source else []:

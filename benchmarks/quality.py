@@ -10,15 +10,17 @@ points), and with --targets issue 33's bars (see benchmarks/README.md, "Bits per
 (PYTHONPATH=.: this checkout's squishlike rather than whichever one is installed; the script re-executes itself
 with OpenBLAS preloaded when it finds it, so the LD_PRELOAD is optional).
 
-Model: the embedded SmolLM2-135M-Instruct GGUF; reference: that GGUF as the provider reads it (Q4_1 dequantized,
-float32). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with the same code as `squishlike eval`:
+Model: the embedded SmolLM2-135M-Instruct GGUF, or --model (a name of benchmarks/real_models.py such as
+gemma3-270m, or any model squishlike reads); reference: that model as the provider reads it (a GGUF dequantized,
+float32; "Q4_1" in the reference row's label is SmolLM2's). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with the same code as `squishlike eval`:
 perplexity over the first --max-tokens tokens of data/eval_prose.txt (1024-token windows), teacher-forced top-1
 agreement and mean KL(reference || model) on the same positions, greedy agreement over data/eval_prompts.json.
 Calibration (AWQ, GPTQ, mixed precision, the INT3 gate; mlx_lm's calibrated methods too, whose command lines
 download their own data sets) uses data/calibration.txt only. npy-dirs are read through the
 cold tier: every tier of one npy-dir holds the same weights (tests/integration/test_tiers.py, tests/integration/test_quality.py).
 
-Rows are built in --workdir and reused when already there (delete the directory to rebuild).
+Rows are built in --workdir (one per model by default) and reused when already there (delete the directory to
+rebuild). --rows selects rows whose slug contains a selector, or equals it when it ends in "$".
 """
 
 from __future__ import annotations
@@ -328,6 +330,11 @@ def _dwq(model, config: dict, tokens: list[int], bits: int, group_size: int):
 CALIBRATED = {"gptq": _gptq, "awq": _awq, "dynamic": _dynamic, "dwq": _dwq}
 
 
+def selects(selector: str, row_slug: str) -> bool:
+    """A --rows selector: a part of the row's slug, or the whole of it when it ends in "$"."""
+    return row_slug == selector[:-1] if selector.endswith("$") else selector in row_slug
+
+
 def evaluate_rows(args) -> tuple[list[dict], list[tuple[str, str]]]:
     """Every selected row built and evaluated; the rows skipped (a --bpw row compress cannot build), with why."""
     import mlx.core as mx
@@ -336,12 +343,13 @@ def evaluate_rows(args) -> tuple[list[dict], list[tuple[str, str]]]:
 
     import squishlike
     from squishlike import evaluation as ev
+    from benchmarks.real_models import model_path
     from squishlike.default_model import default_model_path
 
-    gguf = default_model_path()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    selected = [r for r in ROWS if not args.rows or any(s in slug(r[0]) for s in args.rows)]
+    gguf = model_path(args.model, workdir) if args.model else default_model_path()
+    selected = [r for r in ROWS if not args.rows or any(selects(s, slug(r[0])) for s in args.rows)]
 
     built, skipped = {}, []
     for label, kind, options in selected:
@@ -568,10 +576,14 @@ def svg_chart(rows: list[dict], width: int = 1100, height: int = 640, margin: in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", default="/tmp/squishlike-quality", help="where the models are built (reused)")
+    parser.add_argument("--model", help="the model instead of the embedded SmolLM2: a name of "
+                        "benchmarks/real_models.py (gemma3-270m) or a path to any model squishlike reads")
+    parser.add_argument("--workdir", help="where the models are built (reused); default "
+                        "/tmp/squishlike-quality, with -MODEL after it for --model")
     parser.add_argument("--max-tokens", type=int, default=2048, help="evaluate on the first N tokens of the prose")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per prompt")
-    parser.add_argument("--rows", nargs="*", help="only rows whose slug contains one of these")
+    parser.add_argument("--rows", nargs="*",
+                        help="only rows whose slug contains one of these (or equals one ending in $)")
     parser.add_argument("--json", type=Path, help="write the full results here")
     parser.add_argument("--markdown", type=Path, help="write the table here (else stdout only)")
     parser.add_argument("--pareto", type=Path,
@@ -580,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="add issue 33's bars: at each target bits a weight, the best mlx_lm model's KL x 0.8")
     parser.add_argument("--clean", action="store_true", help="delete --workdir first")
     args = parser.parse_args(argv)
+    args.workdir = args.workdir or "/tmp/squishlike-quality" + (f"-{Path(args.model).stem}" if args.model else "")
 
     from squishlike.environment import switch
     from squishlike.openblas import find_openblas
