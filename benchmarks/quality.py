@@ -422,7 +422,8 @@ def markdown(results: list[dict], skipped: list[tuple[str, str]], args) -> str:
     mlx = next((r for kind in ("mlx_lm", "mlx") for r in results
                 if r["kind"] == kind and r["options"].get("q_bits") == 4), None)
     lines = [
-        f"Model: SmolLM2-135M-Instruct (embedded GGUF); reference = the GGUF as the provider reads it (float32). "
+        f"Model: {args.model or 'SmolLM2-135M-Instruct (embedded GGUF)'}; "
+        "reference = the model as the provider reads it (float32). "
         f"Text: first {results[0]['positions'] + results[0]['windows']} tokens of data/eval_prose.txt "
         f"({results[0]['positions']} scored positions); greedy: {len(load_prompts())} prompts x {args.gen_tokens} "
         f"tokens. All in float32.",
