@@ -14,7 +14,7 @@ import importlib.util
 import inspect
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,6 +60,16 @@ def new_model(config: dict[str, Any], model_dir: Path | None = None, trust_remot
     """The mlx_lm model `config` describes, its parameters not loaded (random and unevaluated: no memory yet)."""
     model_class, args_class = model_classes(config, model_dir, trust_remote_code)
     return model_class(args_class.from_dict(config))
+
+
+def tie_absent_head(model: nn.Module, names: Collection[str]) -> None:
+    """Tie `model`'s head as its `sanitize` would for weights `names` (mlx_lm names) that have none: gemma3_text and
+    recurrent_gemma build an `lm_head` of their own and drop it there, calling the embedding's `as_linear` instead.
+    A model built without loading (calibration's) would otherwise compute its logits with a random head, and the
+    tied matrix's use as the head would go unmeasured."""
+    if "lm_head" in model and "lm_head.weight" not in names and hasattr(model, "tie_word_embeddings"):
+        model.tie_word_embeddings = True
+        model.pop("lm_head")
 
 
 def parameter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

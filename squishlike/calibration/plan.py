@@ -17,7 +17,7 @@ from ..config import load_config
 from ..errors import BudgetError, FormatError, UnsupportedArchitectureError
 from ..io.checksum import check_files
 from ..npydir import MANIFEST, NpyDir, TensorEntry, source_fingerprint
-from ..model import model_tokenizer, new_model
+from ..model import model_tokenizer, new_model, tie_absent_head
 from ..provider import WeightProvider
 from ..quant.schemes import SCHEMES, rows_cols
 from .awq import AWQ_GRID, ScaleGroup, add_scales, fold_groups, group_scales, search_awq
@@ -63,6 +63,7 @@ class Calibrator:
         self._verified_folds: dict = {}  # awq.fold_groups' verdicts, per block structure
         self.awq_no_fold: dict[str, str] = {}  # reader group -> why AWQ found no exact fold for it
         self.canonical = {provider.mlx_name(n): n for n in provider.names()}
+        tie_absent_head(self.model, self.canonical)
         self.embedding, self.head = vocabulary(self.model, self.canonical)
         self.awq: dict[str, dict] = {}
         self.known_alphas: dict[str, dict] = {}  # group -> AWQ's report, from the store sensitivities come from
