@@ -39,7 +39,7 @@ BPW_RANGE = (2.0, 16.0)
 # The rotations compress offers (calibration/rotate.py), fused into the weights before anything is measured or
 # rounded: none, random Hadamards of the residual stream and of each head's values, or of each head's values alone
 ROTATIONS = ("none", "hadamard", "heads")
-DISTILL_SAMPLE_TOKENS = 128  # tokens of one distillation sample (calibration/distill.py): one a step, one held out
+DISTILL_SAMPLE_TOKENS = 256  # tokens of one distillation sample (calibration/distill.py): one a step, one held out
 
 
 @dataclass

@@ -3,7 +3,9 @@
 mlx_lm's DWQ, from the store's own codes: the unpublished store is read as MLX quantized layers at its own widths
 (the int4 tier straight from its packs: nothing is written), its codes frozen, and every group's scale and offset
 of a width below 8 bits trained by mlx_lm's `dwq_quantize` (Adam on the temperature-2 KL to the float32 source's
-logits) on the calibration text in samples of 128 tokens, the last one held out. The student runs in float32 with
+logits) on the calibration text in samples of DISTILL_SAMPLE_TOKENS tokens, the last one held out, and on samples
+the float model writes itself from their first tokens (4,096 tokens more, no download; docs/design.md §7.7
+measures each choice). The student runs in float32 with
 each quantized layer a dense product of its dequantized weights (differentiable in its scales and offsets on every
 device). The trained grid is rounded to the store's dtype and written back into the store's packs, so every tier
 and `export --to mlx` give it.
@@ -21,6 +23,7 @@ import mlx.nn as nn
 import mlx.optimizers as optimizers
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.quant.dwq import dwq_quantize
 from mlx_lm.tuner.losses import kl_div_loss
 
@@ -35,7 +38,10 @@ from ..tiers.base import mlx_names
 from ..tiers.quantized import Int4Tier
 from .stats import calibration_windows, log
 
-SEED = 0  # the order of the samples: a store is the same each time it is compressed
+SEED = 0  # the order of the samples and the sampled text: a store is the same each time it is compressed
+SAMPLED = 4096 // DISTILL_SAMPLE_TOKENS  # samples the float model writes (sampled_text), trained on beside the
+# calibration text's (SmolLM2's 2,311 tokens: 8 samples, the ninth held out)
+PROMPT_TOKENS = 8  # each sampled sample starts from this many tokens of a calibration sample
 
 
 def _dense(layer: nn.Module) -> mx.array:
@@ -83,6 +89,23 @@ def cached_targets(teacher: nn.Module) -> Callable[..., mx.array]:
     return target
 
 
+def sampled_text(teacher: nn.Module, starts: list[list[int]], count: int) -> list[list[int]]:
+    """`count` samples of DISTILL_SAMPLE_TOKENS tokens the teacher writes itself (temperature 1, seeded), each
+    continuing the first PROMPT_TOKENS tokens of a calibration sample in turn, all in one batch: data-free
+    distillation's text (LLM-QAT), on which the teacher's own logits are the target, so more training text
+    without a download."""
+    prompts = mx.array([starts[i % len(starts)][:PROMPT_TOKENS] for i in range(count)])
+    cache = make_prompt_cache(teacher)
+    logits = teacher(prompts, cache=cache)[:, -1]
+    written, key = [prompts], mx.random.key(SEED)
+    for _ in range(DISTILL_SAMPLE_TOKENS - PROMPT_TOKENS):
+        key, sub = mx.random.split(key)
+        written.append(mx.random.categorical(logits, key=sub)[:, None])
+        logits = teacher(written[-1], cache=cache)[:, -1]
+        mx.eval(logits)
+    return mx.concatenate(written, axis=1).tolist()
+
+
 def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOptions) -> dict:
     """Train the scales and offsets of the store `writer` has written (manifest included, not published) against
     the float32 model `origin` reads, and write them back (NpyDirWriter.rewrite_parts); returns the manifest's
@@ -100,7 +123,8 @@ def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOp
               for t in window.tokens]
     rows = np.array(tokens[: len(tokens) // DISTILL_SAMPLE_TOKENS * DISTILL_SAMPLE_TOKENS]).reshape(
         -1, DISTILL_SAMPLE_TOKENS)
-    held, train = rows[-1:], [(row.tolist(), 0) for row in rows[:-1]]
+    held, calibration = rows[-1:], [row.tolist() for row in rows[:-1]]
+    train = [(row, 0) for row in calibration + sampled_text(teacher, calibration, SAMPLED)]
     target = cached_targets(teacher)
 
     def held_out_kl() -> float:
@@ -110,12 +134,14 @@ def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOp
 
     before = held_out_kl()
     started = time.perf_counter()
-    log(f"distilling the scales and offsets: {opts.distill_steps} steps on {len(train)} samples of "
-        f"{DISTILL_SAMPLE_TOKENS} tokens, held-out KL {before:.4f}")
+    log(f"distilling the scales and offsets: {opts.distill_steps} steps on {len(calibration)} samples of "
+        f"{DISTILL_SAMPLE_TOKENS} tokens of calibration text and {SAMPLED} the float model wrote, held-out KL "
+        f"{before:.4f}")
     data = (train * -(-opts.distill_steps // len(train)))[: opts.distill_steps]
+    adam = optimizers.Adam(learning_rate=opts.distill_rate, bias_correction=True)
     with contextlib.redirect_stdout(sys.stderr):  # its reports are progress: stdout holds compress's result
-        dwq_quantize(student, target, optimizers.Adam(learning_rate=opts.distill_rate, bias_correction=True), data,
-                     train[:1], batch_size=1, max_seq_length=DISTILL_SAMPLE_TOKENS + 1, seed=SEED, dtype=mx.float32)
+        dwq_quantize(student, target, adam, data, train[:1], batch_size=1, max_seq_length=DISTILL_SAMPLE_TOKENS + 1,
+                     seed=SEED, dtype=mx.float32)
     runtime = MX_DTYPES[store.runtime_dtype]
     student.eval()
     student.update(tree_map(lambda a: a.astype(runtime).astype(mx.float32), student.trainable_parameters()))
@@ -130,10 +156,11 @@ def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOp
         suffix = store.entries[name].kind.suffixes[("weight", "scales", "biases").index(role)]
         dtype, shape = store.entries[name].part_spec(suffix)
         values.setdefault(name, {})[suffix] = to_numpy(array.astype(runtime))[0].view(dtype).reshape(shape)
-    record = {"steps": opts.distill_steps, "rate": opts.distill_rate, "samples": len(train),
-              "tokens": DISTILL_SAMPLE_TOKENS, "seed": SEED, "tensors": len(values),
+    record = {"steps": opts.distill_steps, "rate": opts.distill_rate, "samples": len(calibration),
+              "sampled": SAMPLED, "tokens": DISTILL_SAMPLE_TOKENS, "seed": SEED, "tensors": len(values),
               "held_out_kl": {"before": before, "after": after},
               "method": "mlx_lm dwq_quantize: scales and offsets of widths below 8 bits, codes frozen, on the KL "
-                        "to the float32 source's logits (temperature 2); held-out KL at temperature 1"}
+                        "to the float32 source's logits (temperature 2) on the calibration samples and those the "
+                        "source wrote; held-out KL at temperature 1"}
     writer.rewrite_parts(values, {"distill": record})
     return record

@@ -17,7 +17,7 @@ from support.tiny_models import assert_same_weights, assert_serves_as_store
 import squishlike
 from squishlike.npydir import NpyDir
 
-OPTIONS = {"scheme": "int4", "bits": (("*", 3),), "calibration_max_tokens": 512}  # 3 samples, one held out
+OPTIONS = {"scheme": "int4", "bits": (("*", 3),), "calibration_max_tokens": 1024}  # 4 samples, one held out
 DISTILL = {"distill_steps": 8, "distill_rate": 1e-4}
 TOKENS = [1, 5, 9, 17, 33, 65, 129, 200]
 
@@ -37,8 +37,22 @@ def test_the_held_out_loss_falls_and_the_manifest_says_how(stores):
     _, plain, distilled = stores
     record = distilled.manifest.extra["distill"]
     assert "distill" not in plain.manifest.extra
-    assert (record["steps"], record["rate"], record["samples"], record["tokens"]) == (8, 1e-4, 3, 128)
+    assert (record["steps"], record["rate"], record["samples"], record["sampled"], record["tokens"]) == (
+        8, 1e-4, 3, 16, 256)  # beside the 3 calibration samples, 16 of 256 tokens the float model wrote
     assert record["held_out_kl"]["after"] < 0.9 * record["held_out_kl"]["before"]
+
+
+def test_the_float_model_writes_the_same_samples_each_time_from_the_calibration_samples_first_tokens(stores):
+    from squishlike.calibration.distill import PROMPT_TOKENS, sampled_text
+    from squishlike.compress_options import DISTILL_SAMPLE_TOKENS
+
+    teacher, _ = mlx_lm.load(str(stores[0]))
+    starts = [list(range(3, 3 + DISTILL_SAMPLE_TOKENS)), list(range(40, 40 + DISTILL_SAMPLE_TOKENS))]
+    written = sampled_text(teacher, starts, 3)
+    assert written == sampled_text(teacher, starts, 3)
+    assert [len(sample) for sample in written] == [DISTILL_SAMPLE_TOKENS] * 3
+    assert [sample[:PROMPT_TOKENS] for sample in written] == [start[:PROMPT_TOKENS] for start in starts + starts[:1]]
+    assert written[0] != written[2]  # the same start, sampled on
 
 
 def test_the_codes_are_kept_and_the_grid_is_trained(stores):
@@ -80,7 +94,7 @@ def test_a_compress_killed_while_it_writes_the_trained_grid_publishes_nothing_an
     source, _, distilled = stores
     out = tmp_path / "out"
     command = [sys.executable, "-m", "squishlike", "compress", str(source), "-o", str(out), "--scheme", "int4",
-               "--bits", "*=3", "--calibration-tokens", "512", "--distill-steps", "8", "--distill-rate", "1e-4"]
+               "--bits", "*=3", "--calibration-tokens", "1024", "--distill-steps", "8", "--distill-rate", "1e-4"]
     env = dict(os.environ, SQUISHLIKE_OPENBLAS="0")
     killed = subprocess.run(command, env={**env, "SQUISHLIKE_FAULT_AT": "renamed:pack-00001.safetensors"},
                             capture_output=True, text=True, timeout=180)
@@ -113,7 +127,7 @@ def test_a_second_size_copies_no_part_of_a_distilled_store(tmp_path, tiny_llama,
     ({"distill_steps": 4, "distill_rate": 0.0}, "distill_rate=0.0 is not a learning rate"),
     ({"distill_steps": 4, "distill_rate": -1e-4}, "distill_rate=-0.0001 is not a learning rate"),
     ({"distill_steps": 4, "scheme": "int8"}, "a int8g store \\(scheme='int8'\\) holds none"),
-    ({"distill_steps": 4, "calibration_max_tokens": 200}, "needs two samples of 128 calibration tokens"),
+    ({"distill_steps": 4, "calibration_max_tokens": 200}, "needs two samples of 256 calibration tokens"),
 ])
 def test_bad_values_are_refused_before_anything_is_written(tmp_path, tiny_llama, options, message):
     with pytest.raises(ValueError, match=message):
