@@ -20,6 +20,7 @@ from squishlike.calibration.gptq import EXPERT_MIN_ROWS, expert_factors, gptq, i
 from squishlike.calibration.linears import input_groups, vocabulary
 from squishlike.calibration.plan import Calibrator
 from squishlike.calibration.quantizer import Quantizer
+from squishlike.compress_options import CompressOptions
 from squishlike.calibration.stats import record, record_head, sample_positions
 from squishlike.model import new_model
 from squishlike.npydir import NpyDir
@@ -84,6 +85,26 @@ def test_the_heads_input_is_what_the_model_hands_it(tmp_path, tokenizer_dir):
         runner._load_outside(runner.vocabulary)
         want = np.concatenate([np.array(norm(h)).reshape(-1, got.shape[1]) for h in runner.hidden])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gemma3_without_a_head_of_its_own_is_calibrated_tied(tmp_path, tokenizer_dir):
+    """gemma3_text builds an lm_head and drops it in sanitize when the weights have none (a real Gemma 3's): the
+    calibration model does the same, so the tied matrix is GPTQ'd for its use as the head, on what the final norm
+    hands it, not left to the lookup's Hessian alone with the logits computed by a random head."""
+    src = make_hf_model(tmp_path / "gemma", TINY_CONFIGS["gemma3_text"], tokenizer_dir, row_spread=1.0)
+    params = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(src / "model.safetensors"), {k: v for k, v in params.items() if "lm_head" not in k},
+                        metadata={"format": "pt"})
+    provider = WeightProvider.open(src)
+    calibrator = Calibrator(provider, CompressOptions(scheme="int4"), src)
+    assert "lm_head" not in calibrator.model and calibrator.model.tie_word_embeddings
+    assert calibrator.head.members == (calibrator.embedding,) == ("token_embedding.weight",)
+    out = squishlike.compress(src, tmp_path / "int4", scheme="int4", calibration_max_tokens=CALIB_TOKENS)
+    store = NpyDir(out)
+    reason = store.entries["token_embedding.weight"].reason
+    assert "compensated on the calibration inputs" in reason and "first layer" not in reason
+    model, _ = squishlike.load(out, tier="cold")
+    assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3, 4]])))).item()
 
 
 def test_a_rare_expert_is_pooled_with_its_stack():
