@@ -158,7 +158,7 @@ def compress(
       family's layers do not commute with it, the part that does not is skipped and the manifest's "rotation" says
       why. "none" (default) leaves the source as it is.
     - distill_steps: once the store is written, train its scales and offsets of widths below 8 bits, codes kept,
-      for this many Adam steps on the KL to the float model's logits over the calibration text and 4,096 tokens the
+      for this many Adam steps on the KL to the float model's logits over the calibration text and 8,192 tokens the
       float model writes itself (mlx_lm's DWQ, one sample of 256 tokens a step), written back in the store's dtype. Its cost: a forward and backward pass of
       the whole model a step (docs/design.md §7.7). Group-wise stores only. 0 (default): off.
     - distill_rate: the learning rate of those steps.

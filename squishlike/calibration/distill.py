@@ -4,7 +4,7 @@ mlx_lm's DWQ, from the store's own codes: the unpublished store is read as MLX q
 (the int4 tier straight from its packs: nothing is written), its codes frozen, and every group's scale and offset
 of a width below 8 bits trained by mlx_lm's `dwq_quantize` (Adam on the temperature-2 KL to the float32 source's
 logits) on the calibration text in samples of DISTILL_SAMPLE_TOKENS tokens, the last one held out, and on samples
-the float model writes itself from their first tokens (4,096 tokens more, no download; docs/design.md §7.7
+the float model writes itself from their first tokens (8,192 tokens more, no download; docs/design.md §7.7
 measures each choice). The student runs in float32 with
 each quantized layer a dense product of its dequantized weights (differentiable in its scales and offsets on every
 device). The trained grid is rounded to the store's dtype and written back into the store's packs, so every tier
@@ -39,7 +39,7 @@ from ..tiers.quantized import Int4Tier
 from .stats import calibration_windows, log
 
 SEED = 0  # the order of the samples and the sampled text: a store is the same each time it is compressed
-SAMPLED = 4096 // DISTILL_SAMPLE_TOKENS  # samples the float model writes (sampled_text), trained on beside the
+SAMPLED = 8192 // DISTILL_SAMPLE_TOKENS  # samples the float model writes (sampled_text), trained on beside the
 # calibration text's (SmolLM2's 2,311 tokens: 8 samples, the ninth held out)
 PROMPT_TOKENS = 8  # each sampled sample starts from this many tokens of a calibration sample
 

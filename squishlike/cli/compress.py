@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "family's layers do not commute with it (default: none)")
     calib.add_argument("--distill-steps", type=int, default=0, metavar="N",
                        help="once the store is written, train its scales and offsets (widths below 8 bits; codes "
-                       "kept) for N steps against the float model's logits on the calibration text and 4,096 tokens "
+                       "kept) for N steps against the float model's logits on the calibration text and 8,192 tokens "
                        "the float model writes itself (mlx_lm's DWQ, one sample of 256 tokens a step); the stored "
                        "form stays plain. Its cost: one forward and "
                        "backward pass of the whole model in float32 a step (SmolLM2: about 10 s a step on 2 "
