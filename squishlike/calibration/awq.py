@@ -4,7 +4,7 @@ and the per-group search of the scale exponent on the calibration samples (`sear
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -173,6 +173,11 @@ class Transform:
 
     def touches(self, name: str) -> bool:
         return name in self.col or name in self.row
+
+    def update(self, other: Transform) -> None:
+        """Take `other`'s rewrites, every kind of them (another block's: of other tensors)."""
+        for f in fields(self):
+            getattr(self, f.name).update(getattr(other, f.name))
 
     def apply(self, name: str, w: np.ndarray) -> np.ndarray:
         """`w` (float32) rewritten; a new float32 array."""

@@ -241,9 +241,7 @@ class Calibrator:
                     self.awq[g.name] = found
         elif self.opts.awq and groups:
             transform, report = search_awq(groups, calib, self.source.weight, self.source.quantizer_for)
-            self.plan.transform.col.update(transform.col)
-            self.plan.transform.row.update(transform.row)
-            self.plan.transform.offset.update(transform.offset)  # Gemma's norms scale by 1 + w
+            self.plan.transform.update(transform)
             self.awq.update(report)
 
     def _gptq_inputs(self, groups: list[ScaleGroup], calib: Calibration, group: str | None = None) -> None:
