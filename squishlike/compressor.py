@@ -27,7 +27,6 @@ from .config import load_config
 from .dtypes import MX_DTYPES, to_numpy
 from .errors import AccuracyGateError, FormatError, OutputExistsError, QuantizationError
 from .npydir import ErrorStats, NpyDirWriter, Policy, Source, TensorEntry, encode_key, is_npydir, source_fingerprint
-from .quant.reference import from_float32
 from .quant.schemes import SCHEMES, rows_cols
 from .quant.tensor import QuantizedTensor
 from .provider import WeightProvider
@@ -159,8 +158,9 @@ def compress(
       why. "none" (default) leaves the source as it is.
     - distill_steps: once the store is written, train its scales and offsets of widths below 8 bits, codes kept,
       for this many Adam steps on the KL to the float model's logits over the calibration text and 8,192 tokens the
-      float model writes itself (mlx_lm's DWQ, one sample of 256 tokens a step), written back in the store's dtype. Its cost: a forward and backward pass of
-      the whole model a step (docs/design.md §7.7). Group-wise stores only. 0 (default): off.
+      float model writes itself (mlx_lm's DWQ, one sample of 256 tokens a step), written back in the store's dtype.
+      Its cost: a forward and backward pass of the whole model a step (docs/design.md §7.7). Group-wise stores
+      only. 0 (default): off.
     - distill_rate: the learning rate of those steps.
     - format: the old name of `scheme`, still accepted with a DeprecationWarning ("format" names file formats).
 
@@ -461,15 +461,11 @@ def _quantize_tensor(provider: WeightProvider, name: str, info, opts: CompressOp
     if plan is not None:  # calibration: AWQ-rewritten values (float32), mixed-precision scheme
         if plan.rewrites(name):
             triple = None
-        array, src_dtype = plan.apply(name, array, src_dtype)
         scheme, reason = plan.scheme(name, scheme, reason)
+        array, src_dtype = plan.apply(name, array, src_dtype, scheme)
     dtype = info.dtype if info else src_dtype
     entry = TensorEntry(encode_key(name), provider.source_name(name), array.shape, dtype, scheme, reason)
     if not entry.kind.quantized:
-        if plan is not None and plan.rewrites(name) and src_dtype != runtime:
-            # A folded norm or bias, rewritten in float32: held in the runtime dtype every load casts it to, as an
-            # untouched one is (float32 bytes would buy nothing but a larger store than mlx_lm's)
-            array, src_dtype = from_float32(array, runtime), runtime
         return entry, array, src_dtype, None, False
     planned = plan is not None and plan.sized(name)  # a size target chose its width and group size: they stay
     group_size = plan.group_size(name, opts.group_for(name)) if planned else opts.group_for(name)

@@ -50,12 +50,16 @@ class Plan:
     # its inputs were divided by. Only one is kept: a wide one (down's) is hundreds of MB.
     _factor: tuple[tuple[str, int], list] | None = field(default=None, init=False, repr=False)
 
-    def apply(self, name: str, array: np.ndarray, src_dtype: str) -> tuple[np.ndarray, str]:
-        """The tensor as the store should hold it (float32 when rewritten), and its dtype name. A tensor kept
-        exact by mixed precision is held in the runtime dtype: what the runtime sees, and what the budget counted."""
-        if self.rewrites(name):
+    def apply(self, name: str, array: np.ndarray, src_dtype: str, scheme: str) -> tuple[np.ndarray, str]:
+        """The tensor as the store should hold it (float32 when rewritten), and its dtype name; `scheme`: the
+        store's for it (`scheme`'s answer). An exact tensor whose values the plan chose, kept exact by mixed
+        precision or rewritten (a folded norm or bias), is held in the runtime dtype: what every load casts it to,
+        and what the budget counted; an untouched one stays as the source holds it."""
+        rewritten = self.rewrites(name)
+        if rewritten:
             array, src_dtype = self.transform.apply(name, to_float32(array, src_dtype)), "float32"
-        if self.promote.get(name) == "passthrough" and src_dtype != self.runtime:
+        if scheme == "passthrough" and (rewritten or self.promote.get(name) == "passthrough") \
+                and src_dtype != self.runtime:
             array, src_dtype = from_float32(to_float32(array, src_dtype), self.runtime), self.runtime
         return array, src_dtype
 
