@@ -12,8 +12,8 @@ with OpenBLAS preloaded when it finds it, so the LD_PRELOAD is optional).
 
 Model: the embedded SmolLM2-135M-Instruct GGUF, or --model (a name of benchmarks/real_models.py such as
 gemma3-270m, or any model squishlike reads); reference: that model as the provider reads it (a GGUF dequantized,
-float32; "Q4_1" in the reference row's label is SmolLM2's). Every model is evaluated in float32 (`evaluate.prepare_for_eval`) with the same code as `squishlike eval`:
-perplexity over the first --max-tokens tokens of data/eval_prose.txt (1024-token windows), teacher-forced top-1
+float32; "Q4_1" in the reference row's label is SmolLM2's). Every model is evaluated in float32
+(`evaluate.prepare_for_eval`) with the same code as `squishlike eval`: perplexity over the first --max-tokens tokens of data/eval_prose.txt (1024-token windows), teacher-forced top-1
 agreement and mean KL(reference || model) on the same positions, greedy agreement over data/eval_prompts.json.
 Calibration (AWQ, GPTQ, mixed precision, the INT3 gate; mlx_lm's calibrated methods too, whose command lines
 download their own data sets) uses data/calibration.txt only. npy-dirs are read through the
