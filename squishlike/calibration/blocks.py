@@ -214,6 +214,7 @@ class BlockRunner:
         # of the runs of the blocks in `_linked` whose hidden state out is still held somewhere
         self._carried: dict[int, dict[int, tuple]] = {}  # block -> window -> the rest of its output, see `_carry`
         self._drop(self.vocabulary)
+        self._held: set[int] = set()  # blocks loaded and not released since
 
     def _load_outside(self, names: Sequence[str]) -> None:
         loaded = [(n, a if a.ndim > 1 else a.astype(mx.float32)) for n, a in self.weights(names)]
@@ -282,11 +283,14 @@ class BlockRunner:
                 calls[w] = tuple(values[k] for k in range(len(args))), {k: values[k] for k in kwargs}
 
     def load(self, i: int) -> nn.Module:
-        """Block `i` with its source weights in float32."""
-        self.model.load_weights([(n, a.astype(mx.float32)) for n, a in self.weights(self.block_names[i])],
-                                strict=False)
+        """Block `i` with its source weights in float32, read from the source unless it is held already (loaded
+        and not released since: whoever changes a held block's weights puts them back)."""
         block = self.block(i)
-        mx.eval(block.parameters())
+        if i not in self._held:
+            self.model.load_weights([(n, a.astype(mx.float32)) for n, a in self.weights(self.block_names[i])],
+                                    strict=False)
+            mx.eval(block.parameters())
+            self._held.add(i)
         return block
 
     def set_weights(self, i: int, arrays: Iterable[tuple[str, mx.array]]) -> None:
@@ -297,6 +301,7 @@ class BlockRunner:
         """Drop block `i`'s weights: unevaluated zeros in their place hold no memory."""
         block = self.block(i)
         block.update(tree_map(lambda a: mx.zeros(a.shape, a.dtype), block.parameters()))
+        self._held.discard(i)
 
     def run(self, i: int, hidden: Sequence[mx.array] | None = None) -> list[mx.array]:
         """Block `i` (loaded) on each window's hidden state (`self.hidden` by default): the outputs, evaluated."""

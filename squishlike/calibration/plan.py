@@ -73,7 +73,6 @@ class Calibrator:
         self.lookup: dict[str, Any] = {}  # the embedding's lookup readers, or why none (`_lookup`)
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
-        self._first_loaded = False  # block 0 was read for the embedding's lookup and left loaded (`_lookup`)
         self.plan.record["calibration"] = {
             "text": "calibration",
             "tokens": positions(self.windows),
@@ -208,8 +207,7 @@ class Calibrator:
     def _block(self, runner: BlockRunner, i: int) -> None:
         """Run block `i`; put its AWQ scales and its linears' GPTQ inputs in the plan; its outputs become the next
         block's inputs."""
-        if not (i == 0 and self._first_loaded):
-            runner.load(i)
+        runner.load(i)
         groups = self._block_groups(runner, i)
         compensated = self._input_groups(runner, i, groups) if self.opts.gptq else []
         recorded = [*groups, *(g for g in compensated if g not in groups)]
@@ -267,15 +265,13 @@ class Calibrator:
     def _lookup(self, runner: BlockRunner, keep: bool = False) -> np.ndarray | None:
         """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py), its readers to the
         manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so.
-        Block 0 is read for it and dropped again; with `keep`, left loaded for its own unit, which then runs it
+        Block 0 is read for it and dropped again; with `keep`, left held for its own unit, which then runs it
         without reading it again."""
         if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
             return None
         runner.load(0)
         rows, self.lookup = lookup_rows(runner, self.canonical)
-        if keep:
-            self._first_loaded = True
-        else:
+        if not keep:
             runner.release(0)
         return rows
 
