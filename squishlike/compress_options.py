@@ -63,10 +63,11 @@ class CompressOptions:
     gptq: bool | None = None  # error-compensating rounding of the linears and the head (group-wise schemes)
     refit_scales: bool = False  # GPTQ's grid refitted to its codes on the output error (calibration/rounding.py)
     # GPTQ of the token embedding along its width, on the Hessian of what reads a looked-up row in the first layer
-    # (calibration/lookup.py): an untied embedding (`gptq_embedding`, None: as gptq); a tied one with it added to the
-    # head's (`gptq_tied_lookup`): off by default, it lowers the families' KL and raises SmolLM2's (docs/design.md §7.5)
+    # (calibration/lookup.py): an untied embedding (`gptq_embedding`); a tied one with it added to the head's, each
+    # weighed by what an error in its rows costs at the output, measured (`gptq_tied_lookup`; docs/design.md §7.5).
+    # None: as gptq
     gptq_embedding: bool | None = None
-    gptq_tied_lookup: bool = False
+    gptq_tied_lookup: bool | None = None
     mixed_precision: float = 0.0  # keep the most sensitive tensors at INT8 (INT4/INT3) or exact (INT8) within this
     # extra-size fraction of the quantized tensors' bytes
     int3_gate: bool = True  # INT3: measure the accuracy gate at compress time (docs/format.md §6.4)
@@ -97,6 +98,8 @@ class CompressOptions:
                 setattr(self, method, self.scheme in CALIBRATED_BY_DEFAULT)
         if self.gptq_embedding is None:
             self.gptq_embedding = bool(self.gptq)
+        if self.gptq_tied_lookup is None:
+            self.gptq_tied_lookup = bool(self.gptq)
 
     @property
     def calibrates(self) -> bool:

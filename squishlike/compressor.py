@@ -84,7 +84,7 @@ def compress(
     gptq: bool | None = None,
     refit_scales: bool = False,
     gptq_embedding: bool | None = None,
-    gptq_tied_lookup: bool = False,
+    gptq_tied_lookup: bool | None = None,
     mixed_precision: float = 0.0,
     int3_gate: bool = True,
     int3_max_ppl_increase: float = 0.08,
@@ -132,8 +132,9 @@ def compress(
       looked-up row in the first layer (its linears through their norm, and the residual path), found from the
       model. None: on with gptq.
     - gptq_tied_lookup: a tied embedding (the output head too) is GPTQ'd on the head's calibration inputs with that
-      Hessian added. False by default: it lowers the KL of the random-weight families measured and raises
-      SmolLM2's (docs/design.md §7.5).
+      Hessian added, each weighed by what an error in the matrix's rows costs at the model's output through that
+      use, measured on the calibration text (docs/design.md §7.5). None: on with gptq; False: the head's inputs
+      alone.
     - mixed_precision: keep the most sensitive tensors at more bits (INT8 in an INT4/INT3 store, exact in an INT8
       store) within this fraction of extra bytes over the quantized tensors, in [0, 1].
     - int3_gate: INT3 only: measure the accuracy gate; a store that fails it is not written. False skips the gate

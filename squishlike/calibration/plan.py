@@ -25,7 +25,7 @@ from .blocks import BlockRunner
 from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
 from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
-from .lookup import lookup_rows, normalised
+from .lookup import LookupProbe, head_trace, lookup_rows, normalised
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
@@ -73,6 +73,7 @@ class Calibrator:
         self.lookup: dict[str, Any] = {}  # the embedding's lookup readers, or why none (`_lookup`)
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
+        self.probe: LookupProbe | None = None  # a tied matrix's: what its lookup weighs against its head (`_tail`)
         self.plan.record["calibration"] = {
             "text": "calibration",
             "tokens": positions(self.windows),
@@ -125,6 +126,10 @@ class Calibrator:
         if k == 0 and self.opts.gptq_embedding and not self._tied() \
                 and (rows := self._lookup(self.runner, keep=True)) is not None:
             self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
+        if k == 0 and self.opts.gptq and self.opts.gptq_tied_lookup and self._tied() and self.stopped is None:
+            window = self.runner.hidden[0]
+            looked_up = np.array(self.windows[0].tokens[:window.shape[-2]])
+            self.probe = LookupProbe.start(window, self.source.weight(self.embedding)[looked_up])
 
     def done(self, k: int) -> None:
         """Unit `k` is written: its block's weights and GPTQ inputs go."""
@@ -135,6 +140,8 @@ class Calibrator:
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """What a resumed compress needs to go on after the units written so far: (JSON, arrays)."""
         arrays = {f"hidden.{w}": np.array(h) for w, h in enumerate(self.runner.hidden)} if self.runner else {}
+        if self.probe is not None:
+            arrays["probe.hidden"] = np.array(self.probe.hidden)
         for kind, table in (("col", self.plan.transform.col), ("row", self.plan.transform.row)):
             arrays.update({f"{kind}.{name}": v for name, v in table.items()})
         arrays.update({f"offset.{name}": np.array(v) for name, v in self.plan.transform.offset.items()})
@@ -142,7 +149,8 @@ class Calibrator:
                 "expert_stacks": sorted(self.expert_stacks), "gptq_left_out": self.gptq_left_out,
                 "awq_no_fold": self.awq_no_fold, "lookup": self.lookup,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
-                "reference_ppl": self.plan.reference_ppl}, arrays
+                "reference_ppl": self.plan.reference_ppl,
+                "probe_sigma": self.probe.sigma if self.probe is not None else None}, arrays
 
     def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray], where: Path) -> None:
         """Go on from `state` (what `state()` saved after the units a killed compress had written, in `where`).
@@ -154,6 +162,7 @@ class Calibrator:
                 or not isinstance(group_sizes, dict) or not isinstance(state.get("gptq_tensors"), list) \
                 or not isinstance(state.get("stopped"), (str, type(None))) \
                 or not isinstance(state.get("reference_ppl"), (int, float, type(None))) \
+                or not isinstance(state.get("probe_sigma"), (float, type(None))) \
                 or not all(isinstance(state.get(k, {}), dict) for k in ("gptq_left_out", "awq_no_fold", "lookup")) \
                 or not all(isinstance(n, str) for n in state.get("expert_stacks", [])):
             problem = "is not a saved calibration state"
@@ -168,6 +177,10 @@ class Calibrator:
                 w = int(name) if name.isdigit() else -1
                 if not 0 <= w < len(hidden) or value.shape != tuple(hidden[w].shape) or value.dtype != np.float32:
                     problem = problem or f"holds hidden states {key} {value.dtype}{list(value.shape)}, not this run's"
+            elif key == "probe.hidden":
+                if not hidden or value.shape != tuple(hidden[0].shape) or value.dtype != np.float32 \
+                        or state.get("probe_sigma") is None:
+                    problem = problem or f"holds a probe {value.dtype}{list(value.shape)}, not this run's"
             elif kind not in ("col", "row", "offset") or value.dtype.kind != "f" \
                     or value.ndim != (0 if kind == "offset" else 1):
                 problem = problem or f"holds {key!r}, which calibration never saves"
@@ -183,6 +196,8 @@ class Calibrator:
             kind, _, name = key.partition(".")
             if kind == "hidden":
                 self.runner.hidden[int(name)] = mx.array(value)
+            elif key == "probe.hidden":
+                self.probe = LookupProbe(mx.array(value), state["probe_sigma"])
             elif kind == "offset":
                 self.plan.transform.offset[name] = float(value)
             else:
@@ -217,6 +232,8 @@ class Calibrator:
                              if self.opts.gptq else calib)
         if self.opts.gptq:
             self._gptq_inputs(compensated, calib)
+        if self.probe is not None:
+            self.probe.step(runner, i)
 
     def _input_groups(self, runner: BlockRunner, i: int, awq: list[ScaleGroup]) -> list[ScaleGroup]:
         """The block's linears GPTQ rounds, by the input they read (linears.input_groups), on any architecture; a
@@ -291,9 +308,14 @@ class Calibrator:
         if self.head is not None and self.opts.gptq:
             try:
                 calib, group = record_head(runner, self.head, self.every), None
-                if self.opts.gptq_tied_lookup and self._tied() and (rows := self._lookup(runner)) is not None:
-                    # a tied matrix: both its uses weigh
-                    calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]), normalised(rows)])
+                if self.probe is not None and (rows := self._lookup(runner)) is not None:
+                    # a tied matrix: both its uses weigh, each by what an error in its rows costs
+                    head, lookup = head_trace(calib.samples["head"]), self.probe.fisher_trace(runner)
+                    weight = lookup / max(head, 1e-30)
+                    self.lookup["weight"] = {"head": round(head, 6), "lookup": round(lookup, 6),
+                                             "lookup_to_head": round(weight, 6)}
+                    calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]),
+                                                            np.float32(math.sqrt(weight)) * normalised(rows)])
                     group = TIED_GROUP
                 self._gptq_inputs([self.head], calib, group)
             except UnsupportedArchitectureError as e:

@@ -87,10 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GPTQ of an untied token embedding along its width, on the Hessian of what reads a "
                        "looked-up row in the first layer (found from the model); --no-gptq-embedding rounds it "
                        "with the clip search instead (default: on with GPTQ; docs/design.md §7.5)")
-    calib.add_argument("--gptq-tied-lookup", action="store_true",
+    calib.add_argument("--gptq-tied-lookup", action=argparse.BooleanOptionalAction, default=None,
                        help="a tied embedding (the output head too) is GPTQ'd on the head's calibration inputs and "
-                       "that Hessian together, so both its uses weigh (lower KL on random models of several "
-                       "families, higher on SmolLM2; docs/design.md §7.5) (default: off: the head's inputs alone)")
+                       "that Hessian together, each weighed by what an error in its rows costs at the output, "
+                       "measured; --no-gptq-tied-lookup: the head's inputs alone (default: on with GPTQ; "
+                       "docs/design.md §7.5)")
     calib.add_argument("--refit-scales", action="store_true",
                        help="after GPTQ (which it turns on), solve each group's scale and offset again for GPTQ's "
                        "codes, by least squares on the layer's output error over the calibration inputs; the "

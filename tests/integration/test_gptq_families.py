@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
 import numpy as np
 import pytest
 from support.arch_sweep import HAND
@@ -18,6 +20,7 @@ import squishlike
 from squishlike import calibration as calibrate, quant
 from squishlike.calibration.gptq import EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
 from squishlike.calibration.linears import input_groups, vocabulary
+from squishlike.calibration.lookup import LookupProbe
 from squishlike.calibration.plan import Calibrator
 from squishlike.calibration.quantizer import Quantizer
 from squishlike.compress_options import CompressOptions
@@ -102,9 +105,50 @@ def test_a_gemma3_without_a_head_of_its_own_is_calibrated_tied(tmp_path, tokeniz
     out = squishlike.compress(src, tmp_path / "int4", scheme="int4", calibration_max_tokens=CALIB_TOKENS)
     store = NpyDir(out)
     reason = store.entries["token_embedding.weight"].reason
-    assert "compensated on the calibration inputs" in reason and "first layer" not in reason
+    assert "compensated on the calibration inputs" in reason and "first layer" in reason
+    assert store.manifest.extra["gptq"]["lookup"]["weight"]["lookup_to_head"] > 0
     model, _ = squishlike.load(out, tier="cold")
     assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3, 4]])))).item()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
+def test_the_lookup_probe_measures_what_an_error_in_the_rows_costs_the_whole_model(tmp_path, tokenizer_dir,
+                                                                                   model_type):
+    """The probe, carried block by block beside the float pass, gives the KL that mlx_lm's whole model shows with
+    the same error added to the rows its first window looks up, before the model's own scaling of a row (Gemma's
+    sqrt(width), which the probe finds from the hidden state)."""
+    src = make_hf_model(tmp_path / model_type, TINY_CONFIGS[model_type], tokenizer_dir, row_spread=1.0)
+    runner, canonical = runner_of(src)
+    embedding, _ = vocabulary(runner.model, canonical)
+    rows = np.array(WeightProvider.open(src).get(embedding).astype(mx.float32))
+    inputs = runner.windows[0].tokens[:-1]
+    probe = LookupProbe.start(runner.hidden[0], rows[np.array(inputs)])
+    for i in range(len(runner)):
+        runner.load(i)
+        runner.hidden = runner.run(i)
+        probe.step(runner, i)
+        runner.release(i)
+    measured = probe.fisher_trace(runner)
+
+    model, _ = mlx_lm.load(str(src))
+    model.set_dtype(mx.float32)
+    ids = mx.array(inputs)[None]
+    clean = nn.log_softmax(model(ids), axis=-1)
+    error = mx.array(np.random.default_rng(0).standard_normal((len(inputs), rows.shape[1])) * probe.sigma,
+                     dtype=mx.float32)
+    embed = model.model.embed_tokens
+
+    class WithError(nn.Module):
+        def __call__(self, x):
+            return embed(x) + error
+
+        def as_linear(self, x):
+            return embed.as_linear(x)
+
+    model.model.embed_tokens = WithError()
+    noisy = nn.log_softmax(model(ids), axis=-1)
+    kl = mx.mean(mx.sum(mx.exp(clean) * (clean - noisy), axis=-1)).item()
+    assert measured > 0 and measured == pytest.approx(2 * kl / probe.sigma ** 2, rel=0.05)
 
 
 def test_a_rare_expert_is_pooled_with_its_stack():
@@ -218,8 +262,10 @@ def test_the_command_s_lookup_flags_reach_the_manifest(tmp_path, tokenizer_dir):
     done = command("--no-gptq-embedding", "--gptq-tied-lookup")
     assert done.returncode == 0, done.stderr
     lookup = NpyDir(tmp_path / "out").manifest.extra["gptq"]["lookup"]
+    weight = lookup.pop("weight")
     assert {**lookup, "readers": sorted(lookup["readers"])} == {
         "embedding": False, "tied": True, "readers": [f"layers.0.attention.{x}.weight" for x in "kqv"]}
+    assert weight["lookup_to_head"] == pytest.approx(weight["lookup"] / weight["head"], rel=1e-3)
 
 
 def test_the_first_block_is_read_once_when_the_embedding_is_gptqd(tmp_path, tokenizer_dir, monkeypatch):
