@@ -257,15 +257,19 @@ def greedy_generations(
     outputs: list[list[int]] = []
     if batched:
         n = min(len(prompt_ids), 16)
-        response = batch_generate(
-            model,
-            tokenizer,
-            prompt_ids,
-            max_tokens=max_tokens,
-            return_token_ids=True,
-            prefill_batch_size=n,
-            completion_batch_size=n,
-        )
+        try:
+            response = batch_generate(
+                model,
+                tokenizer,
+                prompt_ids,
+                max_tokens=max_tokens,
+                return_token_ids=True,
+                prefill_batch_size=n,
+                completion_batch_size=n,
+            )
+        except ValueError:  # a model whose attention cannot take a batch (mlx_lm's gemma2: its mask does not
+            # broadcast over the batch's heads): prompt by prompt, the same tokens
+            return greedy_generations(model, tokenizer, prompts, max_tokens, batched=False)
         for tokens in response.token_ids:
             # batch_generate drops the stop token; a continuation shorter than max_tokens stopped at EOS.
             tokens = [int(t) for t in tokens]

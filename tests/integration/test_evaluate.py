@@ -333,3 +333,17 @@ def test_reexec_with_openblas(monkeypatch):
     monkeypatch.delenv("SQUISHLIKE_OPENBLAS")
     openblas.reexec_with_openblas(["eval", "m"])
     assert len(calls) == 1
+
+
+def test_greedy_generations_of_a_model_that_cannot_batch(tmp_path, tokenizer_dir):
+    """mlx_lm's gemma2 cannot take a batch (its attention's mask does not broadcast over the batch's heads):
+    the greedy continuations are then taken prompt by prompt, the same tokens, where `squishlike eval` stopped."""
+    import squishlike
+    from support.arch_sweep import HAND
+    from support.tiny_models import make_hf_model
+
+    src = make_hf_model(tmp_path / "gemma2", HAND["gemma2"], tokenizer_dir)
+    model, tokenizer = squishlike.load(src)
+    prompts = ev.load_prompts()[:3]
+    outs = ev.greedy_generations(model, tokenizer, prompts, max_tokens=4)
+    assert len(outs) == 3 and outs == ev.greedy_generations(model, tokenizer, prompts, max_tokens=4, batched=False)
