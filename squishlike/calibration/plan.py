@@ -126,10 +126,11 @@ class Calibrator:
         if k == 0 and self.opts.gptq_embedding and not self._tied() \
                 and (rows := self._lookup(self.runner, keep=True)) is not None:
             self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
-        if k == 0 and self.opts.gptq and self.opts.gptq_tied_lookup and self._tied() and self.stopped is None:
-            window = self.runner.hidden[0]
-            looked_up = np.array(self.windows[0].tokens[:window.shape[-2]])
-            self.probe = LookupProbe.start(window, self.source.weight(self.embedding)[looked_up])
+        if k == 0 and self.opts.gptq_tied_lookup and self._tied() and self.stopped is None:
+            entering = self.runner.hidden[0]
+            looked_up = mx.array(self.windows[0].tokens[:entering.shape[-2]])
+            rows = self.provider.get(self.embedding)[looked_up].astype(mx.float32)  # those rows only, not the table
+            self.probe = LookupProbe.start(entering, np.array(rows))
 
     def done(self, k: int) -> None:
         """Unit `k` is written: its block's weights and GPTQ inputs go."""
