@@ -473,8 +473,7 @@ class Calibrator:
                 and ("awq" in m.extra) == bool(self.opts.awq) and ("gptq" in m.extra) == bool(self.opts.gptq)
                 and ("scale_refit" in m.extra) == self.opts.refit_scales
                 and "distill" not in m.extra  # its grid trained on the whole model: not what is rounded here
-                and (not self.opts.gptq or {k: m.extra["gptq"].get("lookup", {}).get(k) for k in ("embedding", "tied")}
-                     == {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup})
+                and (not self.opts.gptq or self._same_lookup(m.extra["gptq"].get("lookup", {})))
                 and {k: m.extra.get("calibration", {}).get(k) for k in calibration} == calibration):
             return {}
         found = {name: m.tensors[name] for name, scheme in self.plan.promote.items()
@@ -484,6 +483,15 @@ class Calibrator:
         if found:
             check_files(store.path, {rel: record.to_json() for rel, record in m.part_files().items()})
         return found
+
+    def _same_lookup(self, earlier: dict) -> bool:
+        """Whether a store's GPTQ lookup record says its embedding was rounded as this compress rounds it: the same
+        options and, for a tied matrix, its lookup weighed by the probe's measurement (a store made while the option
+        added the two Hessians at equal weights records no `weight`; the weight itself follows from the source and
+        the calibration text, both checked)."""
+        return ({k: earlier.get(k) for k in ("embedding", "tied")}
+                == {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup}
+                and ("weight" in earlier or not (earlier.get("tied") and self._tied())))
 
     def _kept_quantizer(self, scheme: str, group_size: int, cols: int) -> Quantizer:
         """The quantizer of a kept sensitivity record's choice (for a tensor of `cols` columns); TypeError when

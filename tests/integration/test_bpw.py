@@ -203,6 +203,23 @@ def test_a_second_size_with_other_rounding_options_copies_nothing(llama_at_4_5, 
                               for n in same_width if second.manifest.tensors[n].scheme == "int4")
 
 
+def test_a_tied_matrix_weighed_otherwise_is_not_copied(tmp_path, tokenizer_dir, capfd):
+    """A tied model's second size copies from a store whose tied matrix was GPTQ'd as this compress would (its
+    lookup weighed by the probe's measurement), and nothing from one whose record lacks that weight (the two
+    Hessians added at equal weights, as a store of the option's first form was made)."""
+    src = make_hf_model(tmp_path / "qwen2", TINY_CONFIGS["qwen2"], tokenizer_dir)
+    first = squishlike.compress(src, tmp_path / "at4.5", bpw=4.5, calibration_max_tokens=256)
+    equal = shutil.copytree(first, tmp_path / "equal")
+    manifest = json.loads((equal / "manifest.json").read_text())
+    assert manifest["gptq"]["lookup"]["tied"] and manifest["gptq"]["lookup"].pop("weight")["lookup_to_head"] > 0
+    (equal / "manifest.json").write_text(json.dumps(manifest))
+    for earlier, copies in ((first, True), (equal, False)):
+        capfd.readouterr()
+        squishlike.compress(src, tmp_path / f"from-{earlier.name}", bpw=5.5, sensitivity_from=earlier,
+                            calibration_max_tokens=256)
+        assert (_copied(capfd.readouterr().err) > 0) == copies
+
+
 @pytest.mark.parametrize("edit, problem", [
     (lambda m: next(iter(m["bpw"]["sensitivity"].values())).update(losses=["much"] * 19), "bad sensitivity record"),
     (lambda m: m["bpw"]["sensitivity"].update({"layers.0.attention.q.weight": "int4"}), "bad sensitivity record"),
