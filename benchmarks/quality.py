@@ -296,7 +296,7 @@ def _dwq(model, config: dict, tokens: list[int], bits: int, group_size: int):
     scales and biases trained by Adam on the KL (temperature 2) between its logits and the float model's on the
     calibration text. Its command line takes 2,048 samples of 1,024 tokens from a downloaded data set (512 steps of
     4, rate 1e-6); here the calibration text's 9 samples of DWQ_LENGTH tokens, DWQ_EPOCHS times over, one a step,
-    at DWQ_RATE. The teacher's logits are computed once per sample in float32 and kept (its command line's
+    at DWQ_RATE. The teacher's logits are computed in float32 at each step (its command line's
     --target-dir keeps the top 1,024 of each). The student trains in float32, its quantized layers computed as
     their dequantized weights times the input (the same function and gradients: mlx[cpu]'s quantized matmul took
     over 4 minutes for one 256-token validation pass, float32 BLAS takes seconds), and is saved in bfloat16 as
@@ -309,14 +309,14 @@ def _dwq(model, config: dict, tokens: list[int], bits: int, group_size: int):
     from mlx_lm.quant.dwq import dwq_quantize
     from mlx_lm.utils import quantize_model
 
-    from squishlike.calibration.distill import cached_targets, dense_products
+    from squishlike.calibration.distill import dense_products, teacher_logits
 
     model.set_dtype(mx.float32)
     samples = [(row.tolist(), 0) for row in np.array(sequences(tokens, DWQ_LENGTH))]
     student = copy.deepcopy(model)
     _, config = quantize_model(student, config, group_size=group_size, bits=bits)
     layers = dense_products(student)
-    targets = cached_targets(model)
+    targets = teacher_logits(model)
 
     dwq_quantize(student, targets, optimizers.Adam(learning_rate=DWQ_RATE, bias_correction=True),
                  samples * DWQ_EPOCHS, samples[:1], batch_size=1, max_seq_length=DWQ_LENGTH + 1, seed=0,

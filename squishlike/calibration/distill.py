@@ -4,8 +4,9 @@ mlx_lm's DWQ, from the store's own codes: the unpublished store is read as MLX q
 (the int4 tier straight from its packs: nothing is written), its codes frozen, and every group's scale and offset
 of a width below 8 bits trained by mlx_lm's `dwq_quantize` (Adam on the temperature-2 KL to the float32 source's
 logits) on the calibration text in samples of DISTILL_SAMPLE_TOKENS tokens, the last one held out, and on samples
-the float model writes itself from their first tokens (8,192 tokens more, no download; docs/design.md §7.7
-measures each choice). The student runs in float32 with
+the float model writes itself from their first tokens (as many as the steps reach, no download; docs/design.md
+§7.7 measures each choice). The teacher's logits are computed again each step, not cached, so the text can grow
+with the steps in bounded memory. The student runs in float32 with
 each quantized layer a dense product of its dequantized weights (differentiable in its scales and offsets on every
 device). The trained grid is rounded to the store's dtype and written back into the store's packs, so every tier
 and `export --to mlx` give it.
@@ -39,9 +40,10 @@ from ..tiers.quantized import Int4Tier
 from .stats import calibration_windows, log
 
 SEED = 0  # the order of the samples and the sampled text: a store is the same each time it is compressed
-SAMPLED = 8192 // DISTILL_SAMPLE_TOKENS  # samples the float model writes (sampled_text), trained on beside the
-# calibration text's (SmolLM2's 2,311 tokens: 8 samples, the ninth held out)
+CALIBRATION_PASSES = 2  # each calibration sample is trained on twice and each written one once: the recipe measured
+# in docs/design.md §7.7 (SmolLM2's 2,311 calibration tokens give 8 samples, the ninth held out: 48 steps, 32 written)
 PROMPT_TOKENS = 8  # each sampled sample starts from this many tokens of a calibration sample
+SAMPLING_BATCH = 32  # samples written at once (SmolLM2's KV cache for 32 x 256 tokens: 0.4 GB)
 
 
 def _dense(layer: nn.Module) -> mx.array:
@@ -75,35 +77,40 @@ def dense_products(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def cached_targets(teacher: nn.Module) -> Callable[..., mx.array]:
-    """dwq_quantize's target function: the teacher's logits for a batch, computed once per distinct batch."""
-    targets: dict[bytes, mx.array] = {}
+def teacher_logits(teacher: nn.Module) -> Callable[..., mx.array]:
+    """dwq_quantize's target function: the teacher's logits for a batch, computed when asked (a forward pass a step,
+    where caching them held 0.2 GB per sample of SmolLM2's vocabulary)."""
 
     def target(batch: mx.array, *_, **__) -> mx.array:
-        key = np.array(batch).tobytes()
-        if key not in targets:
-            targets[key] = mx.stop_gradient(teacher(batch))
-            mx.eval(targets[key])
-        return targets[key]
+        return mx.stop_gradient(teacher(batch))
 
     return target
 
 
+def written_samples(steps: int, calibration_samples: int) -> int:
+    """How many samples the float model writes for `steps` steps: those the calibration samples' passes leave."""
+    return max(0, steps - CALIBRATION_PASSES * calibration_samples)
+
+
 def sampled_text(teacher: nn.Module, starts: list[list[int]], count: int) -> list[list[int]]:
     """`count` samples of DISTILL_SAMPLE_TOKENS tokens the teacher writes itself (temperature 1, seeded), each
-    continuing the first PROMPT_TOKENS tokens of a calibration sample in turn, all in one batch: data-free
-    distillation's text (LLM-QAT), on which the teacher's own logits are the target, so more training text
-    without a download."""
-    prompts = mx.array([starts[i % len(starts)][:PROMPT_TOKENS] for i in range(count)])
-    cache = make_prompt_cache(teacher)
-    logits = teacher(prompts, cache=cache)[:, -1]
-    written, key = [prompts], mx.random.key(SEED)
-    for _ in range(DISTILL_SAMPLE_TOKENS - PROMPT_TOKENS):
-        key, sub = mx.random.split(key)
-        written.append(mx.random.categorical(logits, key=sub)[:, None])
-        logits = teacher(written[-1], cache=cache)[:, -1]
-        mx.eval(logits)
-    return mx.concatenate(written, axis=1).tolist()
+    continuing the first PROMPT_TOKENS tokens of a calibration sample in turn, SAMPLING_BATCH at a time with a KV
+    cache: data-free distillation's text (LLM-QAT), on which the teacher's own logits are the target, so more
+    training text without a download."""
+    written: list[list[int]] = []
+    for first in range(0, count, SAMPLING_BATCH):
+        batch = range(first, min(count, first + SAMPLING_BATCH))
+        prompts = mx.array([starts[i % len(starts)][:PROMPT_TOKENS] for i in batch])
+        cache = make_prompt_cache(teacher)
+        logits = teacher(prompts, cache=cache)[:, -1]
+        tokens, key = [prompts], mx.random.key(SEED + first // SAMPLING_BATCH)
+        for _ in range(DISTILL_SAMPLE_TOKENS - PROMPT_TOKENS):
+            key, sub = mx.random.split(key)
+            tokens.append(mx.random.categorical(logits, key=sub)[:, None])
+            logits = teacher(tokens[-1], cache=cache)[:, -1]
+            mx.eval(logits)
+        written += mx.concatenate(tokens, axis=1).tolist()
+    return written
 
 
 def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOptions) -> dict:
@@ -124,8 +131,9 @@ def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOp
     rows = np.array(tokens[: len(tokens) // DISTILL_SAMPLE_TOKENS * DISTILL_SAMPLE_TOKENS]).reshape(
         -1, DISTILL_SAMPLE_TOKENS)
     held, calibration = rows[-1:], [row.tolist() for row in rows[:-1]]
-    train = [(row, 0) for row in calibration + sampled_text(teacher, calibration, SAMPLED)]
-    target = cached_targets(teacher)
+    sampled = written_samples(opts.distill_steps, len(calibration))
+    train = [(row, 0) for row in calibration + sampled_text(teacher, calibration, sampled)]
+    target = teacher_logits(teacher)
 
     def held_out_kl() -> float:
         """Temperature-1 KL(float || store) per position on the held-out sample."""
@@ -135,7 +143,7 @@ def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOp
     before = held_out_kl()
     started = time.perf_counter()
     log(f"distilling the scales and offsets: {opts.distill_steps} steps on {len(calibration)} samples of "
-        f"{DISTILL_SAMPLE_TOKENS} tokens of calibration text and {SAMPLED} the float model wrote, held-out KL "
+        f"{DISTILL_SAMPLE_TOKENS} tokens of calibration text and {sampled} the float model wrote, held-out KL "
         f"{before:.4f}")
     data = (train * -(-opts.distill_steps // len(train)))[: opts.distill_steps]
     adam = optimizers.Adam(learning_rate=opts.distill_rate, bias_correction=True)
@@ -157,7 +165,7 @@ def distill_store(writer: NpyDirWriter, origin: WeightProvider, opts: CompressOp
         dtype, shape = store.entries[name].part_spec(suffix)
         values.setdefault(name, {})[suffix] = to_numpy(array.astype(runtime))[0].view(dtype).reshape(shape)
     record = {"steps": opts.distill_steps, "rate": opts.distill_rate, "samples": len(calibration),
-              "sampled": SAMPLED, "tokens": DISTILL_SAMPLE_TOKENS, "seed": SEED, "tensors": len(values),
+              "sampled": sampled, "tokens": DISTILL_SAMPLE_TOKENS, "seed": SEED, "tensors": len(values),
               "held_out_kl": {"before": before, "after": after},
               "method": "mlx_lm dwq_quantize: scales and offsets of widths below 8 bits, codes frozen, on the KL "
                         "to the float32 source's logits (temperature 2) on the calibration samples and those the "

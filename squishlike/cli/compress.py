@@ -118,11 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "family's layers do not commute with it (default: none)")
     calib.add_argument("--distill-steps", type=int, default=0, metavar="N",
                        help="once the store is written, train its scales and offsets (widths below 8 bits; codes "
-                       "kept) for N steps against the float model's logits on the calibration text and 8,192 tokens "
-                       "the float model writes itself (mlx_lm's DWQ, one sample of 256 tokens a step); the stored "
-                       "form stays plain. Its cost: one forward and "
-                       "backward pass of the whole model in float32 a step (SmolLM2: about 10 s a step on 2 "
-                       "cores; docs/design.md §7.7). Group-wise stores only (int4, int3, --bpw, --bits) "
+                       "kept) for N steps against the float model's logits (mlx_lm's DWQ, one sample of 256 tokens a "
+                       "step): each calibration sample twice, the rest text the float model writes itself (SmolLM2 "
+                       "at 48 steps: 8,192 tokens); the stored form stays plain. Its cost: the float model's forward "
+                       "pass and the store's forward and backward pass in float32 a step (SmolLM2: 15-20 s a step on "
+                       "2 cores; docs/design.md §7.7). Group-wise stores only (int4, int3, --bpw, --bits) "
                        "(default: 0, off)")
     calib.add_argument("--distill-rate", type=float, default=6e-5, metavar="R",
                        help="with --distill-steps: Adam's learning rate (default: %(default)s)")

@@ -38,21 +38,24 @@ def test_the_held_out_loss_falls_and_the_manifest_says_how(stores):
     record = distilled.manifest.extra["distill"]
     assert "distill" not in plain.manifest.extra
     assert (record["steps"], record["rate"], record["samples"], record["sampled"], record["tokens"]) == (
-        8, 1e-4, 3, 32, 256)  # beside the 3 calibration samples, 32 of 256 tokens the float model wrote
+        8, 1e-4, 3, 2, 256)  # the 3 calibration samples twice, and 2 of 256 tokens the float model wrote
     assert record["held_out_kl"]["after"] < 0.9 * record["held_out_kl"]["before"]
 
 
-def test_the_float_model_writes_the_same_samples_each_time_from_the_calibration_samples_first_tokens(stores):
+def test_the_float_model_writes_the_same_samples_each_time_from_the_calibration_samples_first_tokens(stores,
+                                                                                                   monkeypatch):
+    from squishlike.calibration import distill
     from squishlike.calibration.distill import PROMPT_TOKENS, sampled_text
     from squishlike.compress_options import DISTILL_SAMPLE_TOKENS
 
+    monkeypatch.setattr(distill, "SAMPLING_BATCH", 2)  # written in two batches, each with its own seed
     teacher, _ = mlx_lm.load(str(stores[0]))
     starts = [list(range(3, 3 + DISTILL_SAMPLE_TOKENS)), list(range(40, 40 + DISTILL_SAMPLE_TOKENS))]
     written = sampled_text(teacher, starts, 3)
     assert written == sampled_text(teacher, starts, 3)
     assert [len(sample) for sample in written] == [DISTILL_SAMPLE_TOKENS] * 3
     assert [sample[:PROMPT_TOKENS] for sample in written] == [start[:PROMPT_TOKENS] for start in starts + starts[:1]]
-    assert written[0] != written[2]  # the same start, sampled on
+    assert written[0] != written[2]  # the same start, sampled on in the second batch
 
 
 def test_the_codes_are_kept_and_the_grid_is_trained(stores):
