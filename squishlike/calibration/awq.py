@@ -85,6 +85,12 @@ def norm_like(module: nn.Module) -> bool:
             and not isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear)))
 
 
+def outside_norms(runner: BlockRunner) -> list[str]:
+    """The model's norms outside its layers (mlx paths): the final norm the head reads, where there is one."""
+    prefixes = tuple(s.prefix for s in runner.slots)
+    return [p for p, m in runner.model.named_modules() if norm_like(m) and not (p + ".").startswith(prefixes)]
+
+
 def _row_folds(path: str, rows: int, width: int, config) -> list[tuple[str, tuple | None, tuple | None]]:
     """The folds into the rows of linear `path` (`rows` rows) that could feed an input `width` wide: one row per
     column, or, under GQA, one row per kv head's column (each read by heads / kv query heads), at each offset of

@@ -25,7 +25,8 @@ from .blocks import BlockRunner
 from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
 from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
-from .lookup import LookupProbe, head_trace, lookup_rows, normalised
+from .lookup import (RESIDUAL_PATHS, LookupProbe, OutputProbe, as_rows, head_hessian, head_trace, lookup_hessian,
+                     normalised, path_hessians, rounding_probe)
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
@@ -71,9 +72,12 @@ class Calibrator:
         self.gptq_left_out: dict[str, str] = {}  # linear -> why GPTQ could not take it
         self.expert_stacks: set[str] = set()  # the expert stacks GPTQ'd expert by expert
         self.lookup: dict[str, Any] = {}  # the embedding's lookup readers, or why none (`_lookup`)
+        self.readers: mx.array | None = None  # their Hessian (`_lookup`)
         self.stopped: str | None = None  # why calibration stopped, when it did
         self.runner: BlockRunner | None = None
-        self.probe: LookupProbe | None = None  # a tied matrix's: what its lookup weighs against its head (`_tail`)
+        # A tied matrix's: what its lookup weighs against its head; an untied embedding's: what each of
+        # RESIDUAL_PATHS' roundings costs (`_tail`)
+        self.probe: OutputProbe | None = None
         self.plan.record["calibration"] = {
             "text": "calibration",
             "tokens": positions(self.windows),
@@ -101,6 +105,8 @@ class Calibrator:
             return [("model", self.provider.names())]
         head = set(self.head.members) if self.head is not None else set()
         outside = [self.canonical[m] for m in self.runner.outside_names]
+        if self._choosing_path():  # the untied embedding's rounding is chosen once the last block ran
+            head.add(self.embedding)
         return [("embeddings", [n for n in outside if n not in head]),
                 *((f"layer {i}", [self.canonical[m] for m in block]) for i, block in enumerate(self.runner.block_names)),
                 ("head", [n for n in outside if n in head])]
@@ -123,14 +129,18 @@ class Calibrator:
                 self._stop(str(e))
         elif k == len(self.runner) + 1:
             self._tail(self.runner)
-        if k == 0 and self.opts.gptq_embedding and not self._tied() \
-                and (rows := self._lookup(self.runner, keep=True)) is not None:
-            self._compensate(self.embedding, LOOKUP_GROUP, rows, None)
-        if k == 0 and self.opts.gptq_tied_lookup and self._tied() and self.stopped is None:
+        if k == 0 and self.opts.gptq_embedding and self.head is None \
+                and (h := self._lookup(self.runner, keep=True)) is not None:  # no head: the identity, unmeasured
+            self._compensate(self.embedding, LOOKUP_GROUP, as_rows(h + mx.eye(h.shape[0])), None)
+        if k == 0 and self.stopped is None and (self._choosing_path() or self.opts.gptq_tied_lookup and self._tied()):
             entering = self.runner.hidden[0]
             looked_up = mx.array(self.windows[0].tokens[:entering.shape[-2]])
-            rows = self.provider.get(self.embedding)[looked_up].astype(mx.float32)  # those rows only, not the table
-            self.probe = LookupProbe.start(entering, np.array(rows))
+            rows = np.array(self.provider.get(self.embedding)[looked_up].astype(mx.float32))  # not the whole table
+            h = self._lookup(self.runner, keep=True)
+            if self._tied():
+                self.probe = LookupProbe.start(entering, rows)
+            elif h is not None:
+                self.probe = rounding_probe(entering, rows, self._path_hessians(h), self._gptq_quantizer(self.embedding))
 
     def done(self, k: int) -> None:
         """Unit `k` is written: its block's weights and GPTQ inputs go."""
@@ -142,7 +152,7 @@ class Calibrator:
         """What a resumed compress needs to go on after the units written so far: (JSON, arrays)."""
         arrays = {f"hidden.{w}": np.array(h) for w, h in enumerate(self.runner.hidden)} if self.runner else {}
         if self.probe is not None:
-            arrays["probe.hidden"] = np.array(self.probe.hidden)
+            arrays.update({f"probe.{k}": np.array(h) for k, h in enumerate(self.probe.hidden)})
         for kind, table in (("col", self.plan.transform.col), ("row", self.plan.transform.row)):
             arrays.update({f"{kind}.{name}": v for name, v in table.items()})
         arrays.update({f"offset.{name}": np.array(v) for name, v in self.plan.transform.offset.items()})
@@ -151,7 +161,7 @@ class Calibrator:
                 "awq_no_fold": self.awq_no_fold, "lookup": self.lookup,
                 "promote": self.plan.promote, "group_sizes": self.plan.group_sizes, "stopped": self.stopped,
                 "reference_ppl": self.plan.reference_ppl,
-                "probe_sigma": self.probe.sigma if self.probe is not None else None}, arrays
+                "probe_sigma": getattr(self.probe, "sigma", None)}, arrays
 
     def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray], where: Path) -> None:
         """Go on from `state` (what `state()` saved after the units a killed compress had written, in `where`).
@@ -178,13 +188,16 @@ class Calibrator:
                 w = int(name) if name.isdigit() else -1
                 if not 0 <= w < len(hidden) or value.shape != tuple(hidden[w].shape) or value.dtype != np.float32:
                     problem = problem or f"holds hidden states {key} {value.dtype}{list(value.shape)}, not this run's"
-            elif key == "probe.hidden":
+            elif kind == "probe":
                 if not hidden or value.shape != tuple(hidden[0].shape) or value.dtype != np.float32 \
-                        or state.get("probe_sigma") is None:
+                        or (state.get("probe_sigma") is None) == self._tied():
                     problem = problem or f"holds a probe {value.dtype}{list(value.shape)}, not this run's"
             elif kind not in ("col", "row", "offset") or value.dtype.kind != "f" \
                     or value.ndim != (0 if kind == "offset" else 1):
                 problem = problem or f"holds {key!r}, which calibration never saves"
+        probes = sorted(k for k in arrays if k.startswith("probe."))
+        if probes and probes != [f"probe.{k}" for k in range(1 if self._tied() else len(RESIDUAL_PATHS))]:
+            problem = problem or f"holds probes {probes}, not this run's"
         if problem is not None:
             raise FormatError(where, problem)
         self.plan.record, self.awq, self.plan.promote = state["record"], state["awq"], promote
@@ -193,16 +206,20 @@ class Calibrator:
         self.expert_stacks, self.gptq_left_out = set(state.get("expert_stacks", ())), state.get("gptq_left_out", {})
         self.awq_no_fold, self.lookup = state.get("awq_no_fold", {}), state.get("lookup", {})
         self.plan.reference_ppl = state["reference_ppl"]
+        probed: dict[int, mx.array] = {}
         for key, value in arrays.items():
             kind, _, name = key.partition(".")
             if kind == "hidden":
                 self.runner.hidden[int(name)] = mx.array(value)
-            elif key == "probe.hidden":
-                self.probe = LookupProbe(mx.array(value), state["probe_sigma"])
+            elif kind == "probe":
+                probed[int(name)] = mx.array(value)
             elif kind == "offset":
                 self.plan.transform.offset[name] = float(value)
             else:
                 getattr(self.plan.transform, kind)[name] = value
+        if probed:
+            hidden = [probed[k] for k in sorted(probed)]
+            self.probe = LookupProbe(hidden, state["probe_sigma"]) if self._tied() else OutputProbe(hidden)
 
     def _stop(self, why: str) -> None:
         self.stopped = why
@@ -280,18 +297,28 @@ class Calibrator:
     def _tied(self) -> bool:
         return self.head is not None and self.embedding in self.head.members
 
-    def _lookup(self, runner: BlockRunner, keep: bool = False) -> np.ndarray | None:
-        """The Hessian of what reads a looked-up row in the first layer, as rows (lookup.py), its readers to the
-        manifest; None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so.
-        Block 0 is read for it and dropped again; with `keep`, left held for its own unit, which then runs it
-        without reading it again."""
+    def _choosing_path(self) -> bool:
+        """Whether the untied embedding's GPTQ models the residual path as measured (lookup.py's RESIDUAL_PATHS):
+        GPTQ'd along its width, beside an output head of its own."""
+        return bool(self.opts.gptq and self.opts.gptq_embedding and self.embedding is not None
+                    and self.head is not None and not self._tied())
+
+    def _path_hessians(self, readers: mx.array) -> dict[str, mx.array]:
+        return path_hessians(readers, head_hessian(self.runner, self.provider.get(self.head.members[0])))
+
+    def _lookup(self, runner: BlockRunner, keep: bool = False) -> mx.array | None:
+        """The Hessian of what reads a looked-up row in the first layer (lookup.py), its readers to the manifest;
+        None where GPTQ does not round the embedding (no group-wise width) or no linear reads it so. Block 0 is read
+        for it and dropped again; with `keep`, left held for its own unit, which then runs it without reading it
+        again. Found once and held to the tail (a resumed compress finds it again)."""
         if self.embedding is None or self._gptq_quantizer(self.embedding) is None:
             return None
-        runner.load(0)
-        rows, self.lookup = lookup_rows(runner, self.canonical)
-        if not keep:
-            runner.release(0)
-        return rows
+        if self.readers is None:
+            runner.load(0)
+            self.readers, self.lookup = lookup_hessian(runner, self.canonical)
+            if not keep:
+                runner.release(0)
+        return self.readers
 
     def _gptq_quantizer(self, name: str) -> Quantizer | None:
         """The quantizer GPTQ rounds `name` with: the store's, or the group-wise width planned for it."""
@@ -306,17 +333,23 @@ class Calibrator:
     def _tail(self, runner: BlockRunner) -> None:
         """After the last block: the output head's GPTQ inputs (the final norm's outputs) and the source's
         perplexity on the calibration text (the INT3 gate's reference)."""
+        if self._choosing_path() and self.probe is not None and (h := self._lookup(runner)) is not None:
+            kls = dict(zip(RESIDUAL_PATHS, self.probe.kls(runner)))
+            chosen = min(kls, key=kls.get)
+            self.lookup["residual_path"] = {"chosen": chosen, "kl": {p: float(f"{v:.6g}") for p, v in kls.items()}}
+            self._compensate(self.embedding, LOOKUP_GROUP, as_rows(self._path_hessians(h)[chosen]), None)
         if self.head is not None and self.opts.gptq:
             try:
                 calib, group = record_head(runner, self.head, self.every), None
-                if self.probe is not None and (rows := self._lookup(runner)) is not None:
+                if self._tied() and self.probe is not None and (h := self._lookup(runner)) is not None:
                     # a tied matrix: both its uses weigh, each by what an error in its rows costs
                     head, lookup = head_trace(calib.samples["head"]), self.probe.fisher_trace(runner)
                     weight = lookup / max(head, 1e-30)
                     self.lookup["weight"] = {"head": round(head, 6), "lookup": round(lookup, 6),
                                              "lookup_to_head": round(weight, 6)}
                     calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]),
-                                                            np.float32(math.sqrt(weight)) * normalised(rows)])
+                                                            np.float32(math.sqrt(weight))
+                                                            * normalised(as_rows(h + mx.eye(h.shape[0])))])
                     group = TIED_GROUP
                 self._gptq_inputs([self.head], calib, group)
             except UnsupportedArchitectureError as e:
@@ -487,11 +520,13 @@ class Calibrator:
     def _same_lookup(self, earlier: dict) -> bool:
         """Whether a store's GPTQ lookup record says its embedding was rounded as this compress rounds it: the same
         options and, for a tied matrix, its lookup weighed by the probe's measurement (a store made while the option
-        added the two Hessians at equal weights records no `weight`; the weight itself follows from the source and
-        the calibration text, both checked)."""
+        added the two Hessians at equal weights records no `weight`), for an untied one, its residual path chosen
+        by the probe (one made before records no `residual_path`). Both follow from the source and the calibration
+        text, which are checked."""
         return ({k: earlier.get(k) for k in ("embedding", "tied")}
                 == {"embedding": self.opts.gptq_embedding, "tied": self.opts.gptq_tied_lookup}
-                and ("weight" in earlier or not (earlier.get("tied") and self._tied())))
+                and ("weight" in earlier or not (earlier.get("tied") and self._tied()))
+                and ("residual_path" in earlier or not (earlier.get("readers") and self._choosing_path())))
 
     def _kept_quantizer(self, scheme: str, group_size: int, cols: int) -> Quantizer:
         """The quantizer of a kept sensitivity record's choice (for a tensor of `cols` columns); TypeError when

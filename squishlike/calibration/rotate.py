@@ -41,7 +41,7 @@ from ..config import load_config
 from ..errors import UnsupportedArchitectureError
 from ..model import model_tokenizer, new_model, parameter_shapes
 from ..provider import WeightProvider
-from .awq import FOLD_TOLERANCE, norm_like, relative_change, weight_offset
+from .awq import FOLD_TOLERANCE, norm_like, outside_norms, relative_change, weight_offset
 from .blocks import BlockRunner, module_at
 from .linears import probe, vocabulary
 from .stats import calibration_windows
@@ -165,15 +165,10 @@ def _heads(config: dict, d: int) -> tuple[int, int, int]:
     return (heads, kv, head_dim) if heads and kv and heads % kv == 0 and head_dim else (0, 0, 0)
 
 
-def _outside_norms(runner: BlockRunner) -> list[str]:
-    prefixes = tuple(s.prefix for s in runner.slots)
-    return [p for p, m in runner.model.named_modules() if norm_like(m) and not (p + ".").startswith(prefixes)]
-
-
 def _outside_plan(runner: BlockRunner, canonical: dict[str, str], config: dict, d: int) -> tuple[str | None,
                                                                                                   str | None]:
     """(the untied model's head weight name, when the head must be untied; why R1 cannot apply, or None)."""
-    norms = _outside_norms(runner)
+    norms = outside_norms(runner)
     if len(norms) != 1:
         return None, f"{len(norms)} norms outside the layers, not one final norm the head reads"
     embedding, head = vocabulary(runner.model, canonical)
@@ -302,7 +297,7 @@ def _rotate_outside(runner: BlockRunner, canonical: dict[str, str], q: np.ndarra
         return {n: a.astype(np.float32) for n, a in arrays.items()}
     embedding, head = vocabulary(runner.model, canonical)
     mlx_of = {c: m for m, c in canonical.items()}
-    norm = _outside_norms(runner)[0]
+    norm = outside_norms(runner)[0]
     offset = weight_offset(module_at(runner.model, norm))
     g = arrays[f"{norm}.weight"] + offset
     e, h = mlx_of[embedding], mlx_of[head.members[0]]
