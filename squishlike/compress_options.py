@@ -63,8 +63,9 @@ class CompressOptions:
     gptq: bool | None = None  # error-compensating rounding of the linears and the head (group-wise schemes)
     refit_scales: bool = False  # GPTQ's grid refitted to its codes on the output error (calibration/rounding.py)
     # GPTQ of the token embedding along its width, on the Hessian of what reads a looked-up row in the first layer
-    # (calibration/lookup.py): an untied embedding (`gptq_embedding`); a tied one with it added to the head's, each
-    # weighed by what an error in its rows costs at the output, measured (`gptq_tied_lookup`; docs/design.md §7.5).
+    # (calibration/lookup.py): an untied embedding (`gptq_embedding`; the residual path's part chosen by what each
+    # choice's rounding costs at the output, measured); a tied one with it added to the head's, each weighed by what
+    # an error in its rows costs at the output, measured (`gptq_tied_lookup`; docs/design.md §7.5).
     # None: as gptq
     gptq_embedding: bool | None = None
     gptq_tied_lookup: bool | None = None

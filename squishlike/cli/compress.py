@@ -85,8 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "for int4)")
     calib.add_argument("--gptq-embedding", action=argparse.BooleanOptionalAction, default=None,
                        help="GPTQ of an untied token embedding along its width, on the Hessian of what reads a "
-                       "looked-up row in the first layer (found from the model); --no-gptq-embedding rounds it "
-                       "with the clip search instead (default: on with GPTQ; docs/design.md §7.5)")
+                       "looked-up row in the first layer (found from the model) and of the residual path that carries "
+                       "it on, read alike in every direction, as the head reads it, or both: whichever moves the "
+                       "model's logits least on the first calibration window, measured; --no-gptq-embedding rounds "
+                       "it with the clip search instead (default: on with GPTQ; docs/design.md §7.5)")
     calib.add_argument("--gptq-tied-lookup", action=argparse.BooleanOptionalAction, default=None,
                        help="a tied embedding (the output head too) is GPTQ'd on the head's calibration inputs and "
                        "that Hessian together, each weighed by what an error in its rows costs at the output, "
