@@ -20,7 +20,7 @@ import squishlike
 from squishlike import calibration as calibrate, quant
 from squishlike.calibration.gptq import EXPERT_MIN_ROWS, expert_factors, gptq, inverse_hessian_factor
 from squishlike.calibration.linears import input_groups, vocabulary
-from squishlike.calibration.lookup import LookupProbe
+from squishlike.calibration.lookup import RESIDUAL_PATHS, LookupProbe
 from squishlike.calibration.plan import Calibrator
 from squishlike.calibration.quantizer import Quantizer
 from squishlike.compress_options import CompressOptions
@@ -149,6 +149,28 @@ def test_the_lookup_probe_measures_what_an_error_in_the_rows_costs_the_whole_mod
     noisy = nn.log_softmax(model(ids), axis=-1)
     kl = mx.mean(mx.sum(mx.exp(clean) * (clean - noisy), axis=-1)).item()
     assert measured > 0 and measured == pytest.approx(2 * kl / probe.sigma ** 2, rel=0.05)
+
+
+def test_an_untied_embeddings_residual_path_is_the_one_whose_rounding_moves_the_logits_least(tmp_path, tokenizer_dir):
+    """An untied embedding is GPTQ'd with the residual path's Hessian whose rounding, carried through every layer
+    on the first calibration window, moved the logits least; the KL recorded for it is what mlx_lm's float32 model
+    shows with the store's embedding in place of its own (every other weight float), on the same window."""
+    src = make_hf_model(tmp_path / "llama", TINY_CONFIGS["llama"], tokenizer_dir, row_spread=1.0)
+    store = NpyDir(squishlike.compress(src, tmp_path / "int4", scheme="int4", calibration_max_tokens=CALIB_TOKENS))
+    record = store.manifest.extra["gptq"]["lookup"]["residual_path"]
+    assert sorted(record["kl"]) == sorted(RESIDUAL_PATHS) and record["chosen"] == min(record["kl"], key=record["kl"].get)
+    assert "what reads a looked-up row in the first layer" in store.entries["token_embedding.weight"].reason
+
+    model, _ = mlx_lm.load(str(src))
+    model.set_dtype(mx.float32)
+    runner, _ = runner_of(src)
+    ids = mx.array(runner.windows[0].tokens[:-1])[None]
+    clean = nn.log_softmax(model(ids), axis=-1)
+    stored, _ = squishlike.load(store.path, tier="cold")
+    model.model.embed_tokens.weight = stored.model.embed_tokens.weight.astype(mx.float32)
+    noisy = nn.log_softmax(model(ids), axis=-1)
+    kl = mx.mean(mx.sum(mx.exp(clean) * (clean - noisy), axis=-1)).item()
+    assert kl == pytest.approx(record["kl"][record["chosen"]], rel=0.01)  # the others are 20-140 % apart here
 
 
 def test_a_rare_expert_is_pooled_with_its_stack():
