@@ -9,11 +9,14 @@ shapes, not values); the same width at 7, 14 and 28 layers (`depth`: whether the
 grows with depth; target: within 1.25x of each other); and Qwen2.5-7B's shapes (`qwen7b`, 15 GB of bf16: the
 default compress with --calibration-tokens 2048 on a 24 GB machine, peak RSS <= 6 GB, then a load and a
 generated token); and Qwen1.5-MoE-A2.7B's (`qwen-moe`, 28.6 GB of bf16, 60 experts a layer, each its own tensor
-in the source: the same, every expert stack GPTQ'd expert by expert). Every figure is its own fresh process (OpenBLAS preloaded, as the CLI does, for all of them),
+in the source: the same, every expert stack GPTQ'd expert by expert); and one size of several families (`families`:
+the architecture sweep's configs at FAMILY_SIZE, random bf16 weights; each family's default compress time per
+million parameters against llama's, target within 1.5x). Every figure is its own fresh process (OpenBLAS preloaded, as the CLI does, for all of them),
 timed around the call alone (imports excluded); memory is the process's peak RSS, and its peak above its RSS once
 imports are done.
 
-    python -m benchmarks.bench_compress [--model smollm|qwen1.5b|depth|qwen7b|qwen-moe] [--methods default,...]
+    python -m benchmarks.bench_compress [--model smollm|qwen1.5b|depth|qwen7b|qwen-moe|families]
+                                        [--methods default,...] [--types llama,qwen3,...]
                                         [--runs N]
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -41,6 +45,13 @@ METHODS = {
 CONVERT = "mlx_lm.convert -q"
 GPTQ = "mlx_lm GPTQ"
 TARGETS = {"default": (GPTQ, 1.5), "rtn": (CONVERT, 1.2)}  # SmolLM2: method -> (baseline, most time ratio)
+# `families`: one size for every family (a 1,024-wide, 8-layer llama: 0.13 B parameters with its untied 32,000-token
+# vocabulary), each family's own keys at it; an expert stack of 8 experts, 2 a token, as wide in all as the dense MLP
+FAMILY_SIZE = {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 16,
+               "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "num_experts": 8,
+               "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 352,
+               "max_position_embeddings": 4096}
+FAMILY_TYPES = "llama,qwen3,gemma3_text,phi3,qwen3_moe,mixtral"
 
 
 def calibration_rows(tokenizer, max_tokens: int | None, rows: int = 4):
@@ -126,6 +137,37 @@ def sources(model: str, workdir: Path) -> dict[str, Path]:
             for n in (7, 14, 28)}
 
 
+def family_sources(types: list[str], workdir: Path) -> dict[str, Path]:
+    """Each of `types` at FAMILY_SIZE (the keys its sweep config has; a mixtral's experts are its intermediate size),
+    random bf16 weights, built once into `workdir`."""
+    import mlx.core as mx
+
+    from tests.support.arch_sweep import HAND, tiny_config
+    from tests.support.tiny_models import make_hf_model, make_tokenizer
+
+    tokenizer = make_tokenizer(workdir / "tokenizer")
+    found = {}
+    for model_type in types:
+        config = HAND.get(model_type) or tiny_config(model_type)
+        config = {**config, **{k: v for k, v in FAMILY_SIZE.items() if k in config}}
+        if "num_local_experts" in config:
+            config["intermediate_size"] = FAMILY_SIZE["moe_intermediate_size"]
+        if isinstance(config.get("layer_types"), list):  # a pattern of two layers, repeated
+            config["layer_types"] = [config["layer_types"][i % 2] for i in range(config["num_hidden_layers"])]
+        directory = workdir / f"{model_type}-family-size"
+        if not (directory / "config.json").exists():
+            make_hf_model(directory, config, tokenizer, dtype=mx.bfloat16, row_spread=1.0)
+        found[model_type] = directory
+    return found
+
+
+def parameters(src: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(src / "model.safetensors", "np") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
 def table(figures: dict, base: str) -> None:
     print("| method | compress s | vs " + base + " | peak RSS | peak RSS above imports |")
     print("|---|---:|---:|---:|---:|")
@@ -149,7 +191,10 @@ def run_figures(methods: list[str], src: Path, out: Path, runs: int, options: di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_compress", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("smollm", "qwen1.5b", "depth", "qwen7b", "qwen-moe"), default="smollm")
+    parser.add_argument("--model", choices=("smollm", "qwen1.5b", "depth", "qwen7b", "qwen-moe", "families"),
+                        default="smollm")
+    parser.add_argument("--types", default=FAMILY_TYPES, help="with --model families: the model types, llama first "
+                        "(default: %(default)s)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {','.join(METHODS)}")
     parser.add_argument("--runs", type=int, default=1, help="runs per figure (the median is reported)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/squishlike-bench-compress"))
@@ -174,6 +219,21 @@ def main(argv: list[str] | None = None) -> int:
         print("\nthe default INT4 compress of a 1.5B-wide model at three depths\n")
         table(figures, "7 layers")
         print(f"\npeak RSS, largest over smallest: {max(peaks) / min(peaks):.2f}x (target <= 1.25x)")
+        results["figures"] = figures
+    elif args.model == "families":  # the default compress of each family at one size, against llama's
+        figures = {}
+        for model_type, src in family_sources(args.types.split(","), args.workdir).items():
+            figures[model_type] = {**run_figures(["default"], src, out, args.runs, tokens)["default"],
+                                   "parameters": parameters(src)}
+        per = {t: f["seconds"] / f["parameters"] * 1e6 for t, f in figures.items()}
+        first = next(iter(figures))
+        print(f"\nthe default INT4 compress of each family at one size, {args.runs} run(s) each\n")
+        print(f"| type | parameters | compress s | s per M parameters | vs {first} | peak RSS |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for t, f in figures.items():
+            print(f"| {t} | {f['parameters'] / 1e6:.1f} M | {f['seconds']:.1f} | {per[t]:.3f} | "
+                  f"{per[t] / per[first]:.2f}x | {f['rss_peak'] / 1e9:.2f} GB |")
+        print(f"\nslowest per parameter against {first}: {max(per.values()) / per[first]:.2f}x (target <= 1.5x)")
         results["figures"] = figures
     elif args.model in ("qwen7b", "qwen-moe"):
         [src] = sources(args.model, args.workdir).values()
