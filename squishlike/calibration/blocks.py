@@ -24,7 +24,9 @@ from typing import Callable, Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from ..errors import UnsupportedArchitectureError
 from ..evaluation import Window, nll_sum
@@ -183,6 +185,26 @@ def block_slots(model: nn.Module) -> list[_Slot]:
     return [slots[id(b)] for b in blocks]
 
 
+class _ExpertByExpert(SwitchLinear):
+    """An expert stack computed one BLAS product per expert on the rows routed to it: the same function (to float32
+    rounding) as `mx.gather_mm`, which mlx[cpu] runs 6.5x slower (SwitchGLU of 8 experts 352 wide, 1,024 tokens, 2
+    a token: 1.24 s against 0.19 s). The routing is read on the host, so a block's windows no longer run entirely
+    side by side; on a CPU that costs less than it gains."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        # Unsorted, x is [..., 1 or k, rows, in] for indices [..., k]; sorted, [n, rows, in] for indices [n]
+        weight, shape = self["weight"], mx.broadcast_shapes(x.shape[:-2], indices.shape)
+        rows, width = x.shape[-2:]
+        flat = mx.broadcast_to(x, (*shape, rows, width)).reshape(-1, rows, width)
+        experts = np.array(mx.broadcast_to(indices, shape).reshape(-1))
+        order = np.argsort(experts, kind="stable")
+        bounds = np.searchsorted(experts[order], np.arange(weight.shape[0] + 1)).tolist()
+        parts = [(flat[mx.array(order[a:b])].reshape(-1, width) @ weight[e].T).reshape(b - a, rows, -1)
+                 for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+        y = mx.concatenate(parts)[mx.array(np.argsort(order))].reshape(*shape, rows, -1)
+        return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
+
+
 class BlockRunner:
     """A model's blocks over the token windows `windows`, one block's weights in memory at a time.
 
@@ -192,6 +214,10 @@ class BlockRunner:
     def __init__(self, model: nn.Module, names: Sequence[str], weights: WeightSource, windows: Sequence[Window]):
         self.model, self.weights, self.windows = model, weights, list(windows)
         model.eval()
+        if mx.default_device() == mx.cpu:
+            for _, module in model.named_modules():
+                if type(module) is SwitchLinear:
+                    module.__class__ = _ExpertByExpert
         self.slots = block_slots(model)
         self.block_names: list[list[str]] = [[] for _ in self.slots]
         outside = []
