@@ -34,6 +34,11 @@ from .linears import COMPENSATED_TYPES, probe
 from .quantizer import Quantizer
 
 
+HEAD_CHUNK = 8192  # a head's rows read as float32 at a time (`head_hessian`)
+# How the residual path's reading of a row is modelled beside the first layer's readers (the module's docstring)
+RESIDUAL_PATHS = ("identity", "head", "identity and head")
+
+
 def lookup_readers(runner: BlockRunner) -> tuple[list[str], mx.array | None]:
     """The linears of the first block (loaded) that read its input through a norm or directly (mlx paths), and
     their Hessian above ([width, width] float32, a mean diagonal of 1); ([], None) when no linear reads it so."""
@@ -74,16 +79,11 @@ def head_hessian(runner: BlockRunner, head: mx.array) -> mx.array:
     g = norms[0].weight + weight_offset(norms[0]) if len(norms) == 1 and norms[0].weight.shape == (width,) \
         else mx.ones((width,))
     h = mx.zeros((width, width))
-    for r in range(0, head.shape[0], HEAD_CHUNK):  # a vocabulary's rows in float32 a chunk at a time
+    for r in range(0, head.shape[0], HEAD_CHUNK):
         w = head[r:r + HEAD_CHUNK].astype(mx.float32) * g.astype(mx.float32)[None, :]
         h = h + w.T @ w
         mx.eval(h)
     return h / mx.mean(mx.diag(h))
-
-
-HEAD_CHUNK = 8192
-# How the residual path's reading of a row is modelled beside the first layer's readers (the module's docstring)
-RESIDUAL_PATHS = ("identity", "head", "identity and head")
 
 
 def path_hessians(readers: mx.array, head: mx.array) -> dict[str, mx.array]:
