@@ -20,6 +20,9 @@ differs by orders of magnitude from model to model, so it is measured too (`Look
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -86,10 +89,20 @@ def head_hessian(runner: BlockRunner, head: mx.array) -> mx.array:
     return h / mx.mean(mx.diag(h))
 
 
-def path_hessians(readers: mx.array, head: mx.array) -> dict[str, mx.array]:
-    """The lookup's Hessian with each of RESIDUAL_PATHS: the readers' plus the identity, the head's, or both."""
-    eye = mx.eye(readers.shape[0])
-    return dict(zip(RESIDUAL_PATHS, (readers + eye, readers + head, readers + eye + head)))
+def with_identity(h: mx.array) -> mx.array:
+    """`h` plus the identity: an error read alike in every direction, as the residual path is modelled by default."""
+    return h + mx.eye(h.shape[0])
+
+
+def path_hessians(readers: mx.array, head: Callable[[], mx.array],
+                  paths: tuple[str, ...] = RESIDUAL_PATHS) -> dict[str, mx.array]:
+    """The lookup's Hessian with each of `paths` (of RESIDUAL_PATHS): the readers' plus the identity, the head's,
+    or both; `head()` (`head_hessian`, a pass over the head) is found once, and only where a path reads it."""
+    head, hessians = cache(head), {}
+    for path in paths:
+        h = readers if path == "head" else with_identity(readers)
+        hessians[path] = h if path == "identity" else h + head()
+    return hessians
 
 
 def lookup_hessian(runner: BlockRunner, canonical: dict[str, str]) -> tuple[mx.array | None, dict]:

@@ -26,7 +26,7 @@ from .decision import LOOKUP_GROUP, TIED_GROUP, Plan
 from .gptq import DAMPING, EXPERT_MIN_ROWS
 from .linears import input_groups, vocabulary
 from .lookup import (RESIDUAL_PATHS, LookupProbe, OutputProbe, as_rows, head_hessian, head_trace, lookup_hessian,
-                     normalised, path_hessians, rounding_probe)
+                     normalised, path_hessians, rounding_probe, with_identity)
 from .mixed import block_losses, fitting, lookup_losses, plan_mixed, plan_widths, tensor_choices, tensor_losses
 from .quantizer import Quantizer
 from .rounding import REFIT_METHOD
@@ -131,7 +131,7 @@ class Calibrator:
             self._tail(self.runner)
         if k == 0 and self.opts.gptq_embedding and self.head is None \
                 and (h := self._lookup(self.runner, keep=True)) is not None:  # no head: the identity, unmeasured
-            self._compensate(self.embedding, LOOKUP_GROUP, as_rows(h + mx.eye(h.shape[0])), None)
+            self._compensate(self.embedding, LOOKUP_GROUP, as_rows(with_identity(h)), None)
         if k == 0 and self.stopped is None and (self._choosing_path() or self.opts.gptq_tied_lookup and self._tied()):
             entering = self.runner.hidden[0]
             looked_up = mx.array(self.windows[0].tokens[:entering.shape[-2]])
@@ -140,7 +140,8 @@ class Calibrator:
             if self._tied():
                 self.probe = LookupProbe.start(entering, rows)
             elif h is not None:
-                self.probe = rounding_probe(entering, rows, self._path_hessians(h), self._gptq_quantizer(self.embedding))
+                self.probe = rounding_probe(entering, rows, path_hessians(h, self._head_hessian),
+                                            self._gptq_quantizer(self.embedding))
 
     def done(self, k: int) -> None:
         """Unit `k` is written: its block's weights and GPTQ inputs go."""
@@ -303,8 +304,8 @@ class Calibrator:
         return bool(self.opts.gptq and self.opts.gptq_embedding and self.embedding is not None
                     and self.head is not None and not self._tied())
 
-    def _path_hessians(self, readers: mx.array) -> dict[str, mx.array]:
-        return path_hessians(readers, head_hessian(self.runner, self.provider.get(self.head.members[0])))
+    def _head_hessian(self) -> mx.array:
+        return head_hessian(self.runner, self.provider.get(self.head.members[0]))
 
     def _lookup(self, runner: BlockRunner, keep: bool = False) -> mx.array | None:
         """The Hessian of what reads a looked-up row in the first layer (lookup.py), its readers to the manifest;
@@ -337,7 +338,8 @@ class Calibrator:
             kls = dict(zip(RESIDUAL_PATHS, self.probe.kls(runner)))
             chosen = min(kls, key=kls.get)
             self.lookup["residual_path"] = {"chosen": chosen, "kl": {p: float(f"{v:.6g}") for p, v in kls.items()}}
-            self._compensate(self.embedding, LOOKUP_GROUP, as_rows(self._path_hessians(h)[chosen]), None)
+            hessian = path_hessians(h, self._head_hessian, (chosen,))[chosen]  # the head read again only if it weighs
+            self._compensate(self.embedding, LOOKUP_GROUP, as_rows(hessian), None)
         if self.head is not None and self.opts.gptq:
             try:
                 calib, group = record_head(runner, self.head, self.every), None
@@ -349,7 +351,7 @@ class Calibrator:
                                              "lookup_to_head": round(weight, 6)}
                     calib.samples["head"] = np.concatenate([normalised(calib.samples["head"]),
                                                             np.float32(math.sqrt(weight))
-                                                            * normalised(as_rows(h + mx.eye(h.shape[0])))])
+                                                            * normalised(as_rows(with_identity(h)))])
                     group = TIED_GROUP
                 self._gptq_inputs([self.head], calib, group)
             except UnsupportedArchitectureError as e:
