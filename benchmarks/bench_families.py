@@ -17,6 +17,7 @@ store's tensors got (GPTQ, GPTQ per expert, round to nearest), from its manifest
     python -m benchmarks.bench_families [--types llama,qwen3_moe,...|default|all] [--seeds 0,1,2]
         [--options '{"clip_search": false}'] [--out results/families.json]
     python -m benchmarks.bench_families --source gemma3-270m     # a real model (benchmarks/real_models.py)
+    python -m benchmarks.bench_families --types deepseek_v3 --config '{"qk_nope_head_dim": 64, "v_head_dim": 64}'
 
 One random model's KL is decided by the rounding of a few tensors (its input embedding above all, docs/design.md
 §7.5): `--seeds` draws several models per type and prints the ratios' geometric mean per type;
@@ -39,13 +40,15 @@ from pathlib import Path
 EXTRA = ("gemma3_text", "qwen2_moe", "deepseek_v3", "olmoe", "granitemoe", "phi", "cohere", "starcoder2")
 
 
-def build_source(model_type: str, directory: Path, tokenizer: Path, seed: int = 0) -> Path:
+def build_source(model_type: str, directory: Path, tokenizer: Path, seed: int = 0,
+                 overrides: dict | None = None) -> Path:
+    """The type's random bfloat16 model at sweep size, with `overrides` over its config."""
     import mlx.core as mx
 
     from tests.support.arch_sweep import HAND, tiny_config
     from tests.support.tiny_models import make_hf_model
 
-    config = HAND.get(model_type) or tiny_config(model_type)
+    config = {**(HAND.get(model_type) or tiny_config(model_type)), **(overrides or {})}
     # Positions for the 1,024-token windows the calibration and the evaluation take (learned ones: gpt2's)
     config = {**config, **{k: 2048 for k in ("n_positions", "n_ctx", "max_position_embeddings") if k in config}}
     make_hf_model(directory, config, tokenizer, dtype=mx.bfloat16, seed=seed, row_spread=1.0)
@@ -78,9 +81,11 @@ def methods(store: Path) -> dict[str, int]:
     return dict(counts)
 
 
-def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options: dict | None = None) -> dict:
-    src = build_source(model_type, work / f"{model_type}-{seed}", tokenizer, seed)
-    row = measure_source({"type": model_type, "seed": seed}, src, work, options)
+def measure(model_type: str, work: Path, tokenizer: Path, seed: int = 0, options: dict | None = None,
+            overrides: dict | None = None) -> dict:
+    src = build_source(model_type, work / f"{model_type}-{seed}", tokenizer, seed, overrides)
+    row = measure_source({"type": model_type, "seed": seed, **({"config": overrides} if overrides else {})}, src,
+                         work, options)
     shutil.rmtree(src, ignore_errors=True)
     return row
 
@@ -169,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                         "geometric mean per type is printed too")
     parser.add_argument("--options", type=json.loads, default={},
                         help='compress options beside scheme="int4", as JSON, e.g. \'{"clip_search": false}\'')
+    parser.add_argument("--config", type=json.loads, default={},
+                        help="fields over each type's sweep config, as JSON: e.g. deepseek_v3's heads widened to a "
+                        "group of 64, where mlx_lm's GPTQ needs every weight's rows split into groups")
     parser.add_argument("--source", action="append", default=[],
                         help="a real model instead of the random ones: a name of benchmarks/real_models.py "
                         "(gemma3-270m) or any model squishlike reads (a GGUF file, an HF or MLX directory), taken as "
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         for model_type in types if not args.source else []:
             for seed in seeds:
                 print(f"== {model_type} seed {seed}", file=sys.stderr, flush=True)
-                rows.append(measure(model_type, work, tokenizer, seed, args.options))
+                rows.append(measure(model_type, work, tokenizer, seed, args.options, args.config))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = table(rows) + ("\n\n" + by_type(rows) if len(seeds) > 1 else "")
     print(text)

@@ -45,7 +45,8 @@ def fold_groups(runner: BlockRunner, i: int, canonical: dict[str, str], readers:
     probes, _ = probe(runner, i, [*norms, *(g.module for g in candidates)])
     made_by = {id(p._squish_outputs[0]): path for path, p in probes.items()
                if path in norms and len(p._squish_outputs) == 1}
-    groups, why_not = [], {_name(g): "an expert stack: not scaled" for g in readers if g.kind != "linears"}
+    not_scaled = {"experts": "an expert stack: not scaled", "heads": "a per-head stack: not scaled"}
+    groups, why_not = [], {_name(g): not_scaled[g.kind] for g in readers if g.kind != "linears"}
     for g in candidates:
         members = [mlx_of[m] for m in g.members]
         reads = probes[g.module]._squish_inputs[0]

@@ -78,7 +78,7 @@ class Plan:
             factor = inverse_hessian_factor(x) if experts is None else expert_factors(x, experts, array.shape[0])
             self._factor = (group, id(scale)), factor
         if experts is None:
-            w = array.reshape(array.shape[0], -1)
+            w = array.reshape(-1, array.shape[-1])  # a per-head stack's heads share the Hessian
             parts = gptq(w, src_dtype, qz, self._factor[1])
             return self._refit(name, to_float32(w, src_dtype), x, qz, parts) if self.refit_scales else parts
         parts = [gptq(array[e], src_dtype, qz, f) for e, f in enumerate(self._factor[1])]

@@ -1,13 +1,18 @@
 """Which linears of a block read one input, found from the model itself rather than from a list of families.
 
 The block's graph is built once on a calibration window (never evaluated: MLX builds it lazily) with a probe on
-every `nn.Linear` and expert stack (`SwitchLinear`); linears handed the very same input array read one input and
-share one Hessian (q, k, v; gate and up; an expert stack's gate and up). This is what GPTQ needs on any
-architecture the block runner runs: the 4 families AWQ folds into are no longer a gate on it.
+every `nn.Linear`, expert stack (`SwitchLinear`) and per-head stack (MLA's `MultiLinear`); linears handed the very
+same input array read one input and share one Hessian (q, k, v; gate and up; an expert stack's gate and up). This is
+what GPTQ needs on any architecture the block runner runs: the 4 families AWQ folds into are no longer a gate on it.
+
+A per-head stack ([heads, out, in], each head's `x @ w[h].T`) is compensated where every head reads one input, as
+MLA's `unembed_out` reads the latent: one Hessian for all its heads, as a linear's. Called transposed (`x @ w[h]`,
+MLA's `embed_q` on the latent), its groups run across what the call sums over, so no input Hessian applies.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import mlx.nn as nn
@@ -17,7 +22,13 @@ from ..model import embedding_weights
 from .blocks import BlockRunner, module_at
 from .stats import ScaleGroup, replace_module
 
-COMPENSATED_TYPES = (nn.Linear, SwitchLinear)  # mlx_lm's GPTQ covers the same two
+try:
+    from mlx_lm.models.mla import MultiLinear
+    PER_HEAD_TYPES: tuple[type, ...] = (MultiLinear,)
+except ImportError:  # an mlx_lm from before MLA's per-head stacks had a module of their own
+    PER_HEAD_TYPES = ()
+
+COMPENSATED_TYPES = (nn.Linear, SwitchLinear, *PER_HEAD_TYPES)  # mlx_lm's GPTQ covers the first two
 
 
 class Probe(nn.Module):
@@ -30,10 +41,12 @@ class Probe(nn.Module):
         # The arrays themselves, so that no id is reused while the probes live
         self._squish_inputs: list = []
         self._squish_outputs: list = []
+        self._squish_transposed = False  # a per-head stack called as x @ w[h]
 
     def __call__(self, x, *args, **kwargs):
         self._squish_calls.append(self)
         self._squish_inputs.append(x)
+        self._squish_transposed |= isinstance(self.inner, PER_HEAD_TYPES) and not kwargs.get("transpose", True)
         self._squish_outputs.append(self.inner(x, *args, **kwargs))
         return self._squish_outputs[-1]
 
@@ -63,21 +76,30 @@ def input_groups(runner: BlockRunner, i: int, canonical: dict[str, str],
              if isinstance(module, COMPENSATED_TYPES) and (name := canonical.get(f"{prefix}{path}.weight")) is not None
              and wanted(name)]
     probes, calls = probe(runner, i, paths)
-    readers: dict[int, list[str]] = {}
+    readers: dict[tuple[int, str], list[str]] = {}
     left_out: dict[str, str] = {}
     first_call = {id(p): k for k, p in reversed(list(enumerate(calls)))}
+    positions = math.prod(runner.hidden[0].shape[:-1])
     for path, p in sorted(probes.items(), key=lambda item: first_call.get(id(item[1]), len(calls))):
         name = canonical[f"{path}.weight"]
         if len(p._squish_inputs) != 1:
             left_out[name] = f"called {len(p._squish_inputs)} times a forward pass: no single input to compensate on"
             continue
-        readers.setdefault(id(p._squish_inputs[0]), []).append(path)
+        kind = "experts" if isinstance(p.inner, SwitchLinear) else "linears"
+        if isinstance(p.inner, PER_HEAD_TYPES):
+            kind = "heads"
+            if p._squish_transposed:
+                left_out[name] = ("a per-head stack called transposed (x @ w[h]): its groups run across what the "
+                                  "call sums over, so no input Hessian applies")
+                continue
+            if math.prod(p._squish_inputs[0].shape[:-1]) != positions:
+                left_out[name] = "a per-head stack whose heads read inputs of their own: no one Hessian for its heads"
+                continue
+        readers.setdefault((id(p._squish_inputs[0]), kind), []).append(path)
     groups = []
-    for paths in readers.values():
+    for (_, kind), paths in readers.items():
         members = tuple(canonical[f"{p}.weight"] for p in paths)
-        experts = isinstance(module_at(runner.model, paths[0]), SwitchLinear)
-        groups.append(ScaleGroup(f"{members[0].removesuffix('.weight')}:input", "experts" if experts else "linears",
-                                 i, paths[0], members, ()))
+        groups.append(ScaleGroup(f"{members[0].removesuffix('.weight')}:input", kind, i, paths[0], members, ()))
     return groups, left_out
 
 

@@ -36,7 +36,8 @@ class ScaleGroup:
     """Linears that read one input, and the tensors that produce it (where 1/s folds)."""
 
     name: str  # "layers.3.attn"
-    kind: str  # AWQ's attn | o | mlp | down; "linears" or "experts" (an expert stack) for GPTQ's input groups
+    kind: str  # AWQ's attn | o | mlp | down; "linears", "experts" (an expert stack) or "heads" (a per-head stack
+    # whose heads read one input) for GPTQ's input groups
     layer: int
     module: str  # mlx module path whose input is recorded (the group's first linear)
     members: tuple[str, ...]  # canonical weights whose columns are multiplied by s

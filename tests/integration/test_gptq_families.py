@@ -210,6 +210,36 @@ def test_each_expert_is_compensated_on_its_own_rows():
     assert per_expert < 0.8 * pooled < 0.8 * nearest
 
 
+def test_a_per_head_stack_whose_heads_read_one_input_is_gptqd_on_it(tmp_path, tokenizer_dir):
+    """MLA's per-head stacks (deepseek_v3): `unembed_out`, every head reading the latent, takes its Hessian and
+    GPTQ's rounding moves its output on the calibration latents less than rounding to nearest; `embed_q`, called
+    transposed on the latent, is left out, saying why."""
+    config = {**HAND["deepseek_v3"], "qk_nope_head_dim": 64, "v_head_dim": 64}  # every weight in groups of 64
+    src = make_hf_model(tmp_path / "deepseek", config, tokenizer_dir, row_spread=1.0)
+    unembed, embed_q = (f"model.layers.0.self_attn.{m}.weight" for m in ("unembed_out", "embed_q"))
+    runner, canonical = runner_of(src)
+    runner.load(0)
+    groups, left_out = input_groups(runner, 0, canonical, lambda name: True)
+    heads = [g for g in groups if g.kind == "heads"]
+    assert [g.members for g in heads] == [(unembed,)]
+    assert "called transposed" in left_out[embed_q]
+    latents = record(runner, 0, heads, sample_positions(runner.windows, 10**6))[0].samples[heads[0].name]
+
+    out = squishlike.compress(src, tmp_path / "int4", scheme="int4", calibration_max_tokens=CALIB_TOKENS)
+    store = NpyDir(out)
+    assert "GPTQ (" in store.entries[unembed].reason and "GPTQ" not in store.entries[embed_q].reason
+    assert "called transposed" in store.manifest.extra["gptq"]["left_out"][embed_q]
+    w = np.array(WeightProvider.open(src).get(unembed).astype(mx.float32))
+    stored = np.array(WeightProvider.open(out).get(unembed).astype(mx.float32))
+    nearest = Quantizer("int4", 64, "bfloat16", clip_search=True)(w.reshape(-1, w.shape[-1])).reshape(w.shape)
+
+    def error(w_hat):  # every head's output error on the latents
+        d = np.einsum("ni,hoi->nho", latents, w - w_hat)
+        return float(np.sum(d * d))
+
+    assert error(stored) < 0.8 * error(nearest)
+
+
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
 def test_default_compress_gptqs_every_linear_of_any_family(tmp_path, tokenizer_dir, model_type):
     """gemma3 (once rounded to nearest: outside AWQ's family list) and a MoE."""
