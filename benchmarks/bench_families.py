@@ -141,7 +141,8 @@ def table(rows: list[dict]) -> str:
         cells = [r[k].get("kl", r[k].get("error", "")) for k in ("squishlike", "mlx_lm_gptq", "convert_q")]
         got = ", ".join(f"{n} {m}" for m, n in r["squishlike"].get("methods", {}).items())
         seed = f" {r.get('seed', 0)} |" if seeds else ""
-        lines.append(f"| {r['type']} |{seed} {' | '.join(map(str, cells))} | {r.get('kl_ratio', '')} | "
+        name = r["type"] + (f" ({', '.join(f'{k} {v}' for k, v in r['config'].items())})" if "config" in r else "")
+        lines.append(f"| {name} |{seed} {' | '.join(map(str, cells))} | {r.get('kl_ratio', '')} | "
                      f"{r.get('bytes_ratio', '')} | {got} |")
     return "\n".join(lines)
 
