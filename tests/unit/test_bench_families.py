@@ -23,6 +23,21 @@ def test_each_seed_is_another_model(tmp_path):
     assert not any(mx.array_equal(first[n], other[n]) for n in first)
 
 
+def test_a_config_override_shapes_the_source_and_names_its_rows(tmp_path):
+    """`--config` widens deepseek_v3's heads to a group of 64 (where mlx_lm's GPTQ can run); each row names it."""
+    over = {"qk_nope_head_dim": 64, "v_head_dim": 64}
+    src = build_source("deepseek_v3", tmp_path / "wide", make_tokenizer(tmp_path / "tokenizer"), 0, over)
+    config = json.loads((src / "config.json").read_text())
+    assert {k: config[k] for k in over} == over
+    weights = mx.load(str(src / "model.safetensors"))
+    shape = (config["num_attention_heads"], config["kv_lora_rank"], 64)  # mlx_lm's per-head stacks, as written
+    assert weights["model.layers.0.self_attn.embed_q.weight"].shape == shape
+    assert weights["model.layers.0.self_attn.unembed_out.weight"].shape == (shape[0], 64, shape[1])
+    row = {"type": "deepseek_v3", "seed": 0, "config": over, "squishlike": {"kl": 0.1}, "mlx_lm_gptq": {"kl": 0.2},
+           "convert_q": {"kl": 0.3}, "kl_ratio": 0.5}
+    assert table([row]).splitlines()[2].startswith("| deepseek_v3 (qk_nope_head_dim 64, v_head_dim 64) | 0.1 | 0.2 |")
+
+
 def test_summary_is_the_geometric_mean_of_the_seeds():
     def row(seed, ratio):
         return {"type": "llama", "seed": seed, "squishlike": {"kl": ratio}, "mlx_lm_gptq": {"kl": 1.0},
